@@ -1,0 +1,549 @@
+"""Stand-in for the CUDA-only ``grouped_gemm`` package (tgale96/grouped_gemm).
+
+MegaBlocks imports ``grouped_gemm`` and calls two entry points:
+
+* ``grouped_gemm.backend.gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None)``
+  -- a raw, non-differentiable grouped GEMM that writes into ``c`` (allocated
+  when ``None``) and returns it;
+* ``grouped_gemm.ops.gmm(a, b, batch_sizes, trans_b=False)`` -- the same op
+  wrapped in a ``torch.autograd.Function``.
+
+Semantics (matching the real package; ``batch_sizes`` is a CPU tensor of
+per-group row counts, ``E = len(batch_sizes)``, ``T = a.shape[0]``):
+
+==============  =================  =================  =======================================
+trans_a/trans_b a                  b                  result
+==============  =================  =================  =======================================
+False/False     [T, K]             [E, K, N]          [T, N], rows of group g = a_g @ b[g]
+False/True      [T, K]             [E, N, K]          [T, N], rows of group g = a_g @ b[g].T
+True/False      [T, M]             [T, N]             [E, M, N], out[g] = a_g.T @ b_g
+True/True       rejected (the real package rejects it too)
+==============  =================  =================  =======================================
+
+``a_g``/``b_g`` are the row slices ``[start_g, start_g + batch_sizes[g])``.
+With ``trans_a`` a group of size zero yields an all-zero ``[M, N]`` block.
+
+Three implementations, chosen per call (``gmm_impl_name`` reports which):
+
+* ``'npu_grouped_matmul'`` -- Ascend NPU tensors, fp16/bf16:
+  ``torch_npu.npu_grouped_matmul``.  NOT YET RUN ON AN NPU; see ``_gmm_npu``.
+* ``'torch._grouped_mm'`` -- CUDA tensors, bf16, with a torch that has
+  ``torch._grouped_mm`` and operands that meet its alignment rules; see
+  ``_gmm_grouped_mm``.  Not run on a GPU here either.
+* ``'loop'`` -- everything else: one ``torch.mm`` per group, in the input
+  dtype.  This is what runs on CPU and is what the tests here verify.
+
+Differences from the real package, on purpose: fp16/fp32/fp64 are accepted
+(the real one is bf16 only); bad inputs raise ``ValueError`` naming the
+argument (the real one fails a ``TORCH_CHECK``); the kernel paths compute into
+a fresh tensor and copy into a caller-supplied ``c`` rather than writing it in
+place.
+
+This module imports only ``torch`` (``torch_npu`` lazily, in the NPU branch) so
+that it can be loaded on its own, before the rest of megablocks_ascend.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+
+import torch
+
+__all__ = [
+    'gmm',
+    'gmm_impl_name',
+    'GroupedGemm',
+    'backend',
+    'ops',
+    'make_modules',
+    'IMPL_NPU',
+    'IMPL_GROUPED_MM',
+    'IMPL_LOOP',
+]
+
+IMPL_NPU = 'npu_grouped_matmul'
+IMPL_GROUPED_MM = 'torch._grouped_mm'
+IMPL_LOOP = 'loop'
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+# Documented limits of npu_grouped_matmul (op-plugin docs, aclnnGroupedMatmulV4):
+# at most 1024 groups when x/weight/y are single tensors, and the inner
+# ("last") dimension of each operand must be below 65536.
+_NPU_MAX_GROUPS = 1024
+_NPU_INNER_LIMIT = 65536
+_NPU_DTYPES = (torch.float16, torch.bfloat16)
+
+_INT32_MAX = 2**31 - 1
+
+
+# --------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------
+
+def _fail(msg: str):
+    raise ValueError(f'grouped_gemm.gmm: {msg}')
+
+
+def _validate(a, b, batch_sizes, trans_a, trans_b, c) -> list:
+    """Check every argument; return batch_sizes as a Python list of ints.
+
+    Nothing is computed or written before this returns.
+    """
+    if not isinstance(a, torch.Tensor):
+        _fail(f"'a' must be a torch.Tensor, got {type(a).__name__}")
+    if not isinstance(b, torch.Tensor):
+        _fail(f"'b' must be a torch.Tensor, got {type(b).__name__}")
+    if not isinstance(batch_sizes, torch.Tensor):
+        _fail(f"'batch_sizes' must be a torch.Tensor, got {type(batch_sizes).__name__}")
+    if trans_a and trans_b:
+        _fail("'trans_a' and 'trans_b' cannot both be True "
+              '(the real grouped_gemm does not support it either)')
+
+    if a.ndim != 2:
+        _fail(f"'a' must be 2-D, got {a.ndim}-D with shape {tuple(a.shape)}")
+    want_b_ndim = 2 if trans_a else 3
+    if b.ndim != want_b_ndim:
+        _fail(f"'b' must be {want_b_ndim}-D when trans_a={bool(trans_a)}, "
+              f'got {b.ndim}-D with shape {tuple(b.shape)}')
+
+    if a.dtype not in _FLOAT_DTYPES:
+        _fail(f"'a' dtype must be one of float16/bfloat16/float32/float64, got {a.dtype}")
+    if b.dtype != a.dtype:
+        _fail(f"'b' dtype {b.dtype} does not match 'a' dtype {a.dtype}")
+    if b.device != a.device:
+        _fail(f"'b' is on {b.device} but 'a' is on {a.device}")
+
+    if batch_sizes.device.type != 'cpu':
+        _fail(f"'batch_sizes' must be a CPU tensor, got device {batch_sizes.device} "
+              '(MegaBlocks passes tokens_per_expert.cpu())')
+    if batch_sizes.dtype not in _INDEX_DTYPES:
+        _fail(f"'batch_sizes' dtype must be int64 or int32, got {batch_sizes.dtype}")
+    if batch_sizes.ndim != 1:
+        _fail(f"'batch_sizes' must be 1-D, got shape {tuple(batch_sizes.shape)}")
+    sizes = [int(s) for s in batch_sizes.tolist()]
+    negative = [i for i, s in enumerate(sizes) if s < 0]
+    if negative:
+        _fail(f"'batch_sizes' has negative entries at groups {negative}: {sizes}")
+    total = sum(sizes)
+    if total != a.shape[0]:
+        _fail(f"'batch_sizes' sums to {total} but 'a' has {a.shape[0]} rows")
+
+    if trans_a:
+        if b.shape[0] != a.shape[0]:
+            _fail(f"'b' has {b.shape[0]} rows but 'a' has {a.shape[0]} "
+                  '(with trans_a both are sliced by batch_sizes)')
+        out_shape = (len(sizes), a.shape[1], b.shape[1])
+    else:
+        if len(sizes) != b.shape[0]:
+            _fail(f"'batch_sizes' has {len(sizes)} groups but 'b' has "
+                  f'{b.shape[0]} (b.shape[0])')
+        k_b = b.shape[2] if trans_b else b.shape[1]
+        if k_b != a.shape[1]:
+            _fail(f"contraction mismatch: 'a' has {a.shape[1]} columns but 'b' "
+                  f'(shape {tuple(b.shape)}, trans_b={bool(trans_b)}) expects {k_b}')
+        out_shape = (a.shape[0], b.shape[1] if trans_b else b.shape[2])
+
+    if c is not None:
+        if not isinstance(c, torch.Tensor):
+            _fail(f"'c' must be a torch.Tensor or None, got {type(c).__name__}")
+        if tuple(c.shape) != out_shape:
+            _fail(f"'c' has shape {tuple(c.shape)}, expected {out_shape}")
+        if c.dtype != a.dtype:
+            _fail(f"'c' dtype {c.dtype} does not match 'a' dtype {a.dtype}")
+        if c.device != a.device:
+            _fail(f"'c' is on {c.device} but 'a' is on {a.device}")
+    return sizes
+
+
+def _output_shape(a, b, n_groups, trans_a, trans_b):
+    if trans_a:
+        return (n_groups, a.shape[1], b.shape[1])
+    return (a.shape[0], b.shape[1] if trans_b else b.shape[2])
+
+
+# --------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------
+
+def _torch_version() -> tuple:
+    m = re.match(r'^(\d+)\.(\d+)', torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_supports_grouped_mm(device_index: int) -> bool:
+    """Whether this torch build + GPU can run torch._grouped_mm for bf16.
+
+    torch 2.8 added _grouped_mm but only for SM90/SM100 and with no fallback;
+    from 2.9 there is a fallback path and the documented floor is SM80.
+    """
+    if not hasattr(torch, '_grouped_mm'):
+        return False
+    version = _torch_version()
+    if getattr(torch.version, 'hip', None):
+        return version >= (2, 9)
+    major, _minor = torch.cuda.get_device_capability(device_index)
+    if version >= (2, 9):
+        return major >= 8
+    return major in (9, 10)
+
+
+def _grouped_mm_operands(a, b, trans_a, trans_b):
+    """The (mat_a, mat_b) views handed to torch._grouped_mm."""
+    if trans_a:
+        return a.t(), b                   # 2d x 2d: offsets slice a.t()'s columns / b's rows
+    return a, (b.transpose(1, 2) if trans_b else b)   # 2d x 3d: offsets slice a's rows
+
+
+def _grouped_mm_strides_ok(t: torch.Tensor) -> bool:
+    """Mirror of torch's check_valid_strides_and_return_transposed.
+
+    One of the last two strides must be 1 and the other a multiple of 16 bytes
+    (and >= the matching size); the data pointer must be 16-byte aligned.
+    """
+    align = 16 // t.element_size()
+    s, n = t.stride(), t.shape
+    if t.data_ptr() % 16 != 0:
+        return False
+    if s[-2] == 1 and s[-1] >= max(1, n[-2]):
+        return s[-1] % align == 0
+    if s[-1] == 1 and s[-2] >= max(1, n[-1]):
+        return s[-2] % align == 0
+    return False
+
+
+def _grouped_mm_usable(a, b, batch_sizes, trans_a, trans_b) -> bool:
+    if a.dtype != torch.bfloat16:
+        return False                      # documented: bf16 only (fp16/fp32 -> loop)
+    if not _cuda_device_supports_grouped_mm(a.device.index if a.device.index is not None
+                                            else torch.cuda.current_device()):
+        return False
+    if b is None:
+        return True
+    if b.dtype != torch.bfloat16 or b.device != a.device:
+        return False
+    if trans_a and trans_b:
+        return False
+    if a.numel() == 0 or b.numel() == 0:
+        return False                      # empty operands: the loop handles them trivially
+    if a.shape[0] > _INT32_MAX:
+        return False                      # offsets are int32
+    mat_a, mat_b = _grouped_mm_operands(a, b, trans_a, trans_b)
+    if not (_grouped_mm_strides_ok(mat_a) and _grouped_mm_strides_ok(mat_b)):
+        return False
+    # The output's last dim must be 16-byte aligned too, or torch pads its
+    # stride and hands back a non-contiguous tensor; keep it simple.
+    n_out = b.shape[1] if (trans_a or trans_b) else b.shape[2]
+    return n_out % (16 // a.element_size()) == 0
+
+
+def _npu_usable(a, b, batch_sizes, trans_a, trans_b) -> bool:
+    if a.dtype not in _NPU_DTYPES:
+        return False                      # fp32/fp64 -> loop (see _gmm_npu docstring)
+    try:
+        import torch_npu  # noqa: F401  (lazy: only reached for NPU tensors)
+    except ImportError:
+        return False
+    if not hasattr(torch_npu, 'npu_grouped_matmul'):
+        return False
+    if b is None:
+        return True
+    if b.dtype != a.dtype or b.device != a.device or (trans_a and trans_b):
+        return False
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    n_groups = batch_sizes.shape[0] if batch_sizes is not None else (
+        None if trans_a else b.shape[0])
+    if n_groups is not None and not (1 <= n_groups <= _NPU_MAX_GROUPS):
+        return False
+    inner = (a.shape[1], b.shape[1]) if trans_a else (a.shape[1], *b.shape[1:])
+    return max(inner) < _NPU_INNER_LIMIT
+
+
+def _select_impl(a, b=None, batch_sizes=None, trans_a=False, trans_b=False) -> str:
+    dev = a.device.type
+    if dev == 'npu':
+        return IMPL_NPU if _npu_usable(a, b, batch_sizes, trans_a, trans_b) else IMPL_LOOP
+    if dev == 'cuda':
+        if _grouped_mm_usable(a, b, batch_sizes, trans_a, trans_b):
+            return IMPL_GROUPED_MM
+        return IMPL_LOOP
+    return IMPL_LOOP
+
+
+def gmm_impl_name(a, b=None, batch_sizes=None, trans_a=False, trans_b=False) -> str:
+    """Name of the implementation ``gmm`` would use.
+
+    With only ``a``, the answer depends on device, dtype and the installed
+    torch / torch_npu.  Pass ``b`` (and ``batch_sizes``, ``trans_a``,
+    ``trans_b``) as well to include the per-call shape/stride/alignment checks,
+    which can send an individual call to ``'loop'``.
+
+    Returns one of ``'npu_grouped_matmul'``, ``'torch._grouped_mm'``, ``'loop'``.
+    """
+    return _select_impl(a, b, batch_sizes, trans_a, trans_b)
+
+
+# --------------------------------------------------------------------------
+# Implementations (all called under torch.no_grad() with validated inputs)
+# --------------------------------------------------------------------------
+
+def _mm_into(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    torch.mm(x, y, out=out)
+
+
+def _gmm_loop(a, b, sizes, trans_a, trans_b, c):
+    """One torch.mm per group, in the input dtype (torch.mm's accumulation)."""
+    start = 0
+    if trans_a:
+        for g, n in enumerate(sizes):
+            if n == 0:
+                c[g].zero_()
+            else:
+                _mm_into(c[g], a[start:start + n].t(), b[start:start + n])
+            start += n
+    else:
+        for g, n in enumerate(sizes):
+            if n:
+                w = b[g].t() if trans_b else b[g]
+                _mm_into(c[start:start + n], a[start:start + n], w)
+            start += n
+    return c
+
+
+def _zero_empty_groups(out, sizes):
+    empty = [g for g, n in enumerate(sizes) if n == 0]
+    if empty:
+        out[empty] = 0
+
+
+def _finish(out, c):
+    if c is None:
+        return out if out.is_contiguous() else out.contiguous()
+    c.copy_(out)
+    return c
+
+
+def _gmm_grouped_mm(a, b, batch_sizes, sizes, trans_a, trans_b, c):
+    """CUDA path via ``torch._grouped_mm`` (not run on a GPU in this repo).
+
+    ``torch._grouped_mm(mat_a, mat_b, offs=...)`` takes ``offs`` as a 1-D
+    **int32 tensor of cumulative end offsets on the operands' device**
+    (``offs[i]`` is the end of group ``i``).  The mapping used here:
+
+    * no trans_a: ``mat_a = a`` [T, K] (2-D, sliced by rows),
+      ``mat_b = b`` [E, K, N] or, with trans_b, the view ``b.transpose(1, 2)``
+      (a column-major 3-D operand -- allowed, no copy);
+    * trans_a: ``mat_a = a.t()`` [M, T] (column-major view), ``mat_b = b``
+      [T, N]; the 2d x 2d form slices the shared T dimension and returns
+      [E, M, N].
+
+    Constraints (from torch's docs, its meta function and GroupedBlas.cpp /
+    GroupedMMUtils.h): bf16 inputs (the documented dtype; newer builds accept
+    fp16/fp32 through an internal per-group loop with a device-to-host sync,
+    no better than ours, and the meta/compile path still rejects them, so
+    those go to the loop); one of the last two strides 1 and the other a
+    multiple of 16 bytes; 16-byte aligned data pointers; CUDA SM80+ from torch
+    2.9, SM90/SM100 only on torch 2.8.  Calls that miss any of this are routed
+    to the loop by ``_grouped_mm_usable``.
+
+    For trans_a, groups with zero rows are explicitly zeroed afterwards:
+    upstream has reported wrong (non-zero) results for empty K-groups on some
+    GPUs (pytorch/pytorch#172439), and it costs one small indexed fill.
+    """
+    mat_a, mat_b = _grouped_mm_operands(a, b, trans_a, trans_b)
+    offs = torch.cumsum(batch_sizes.to(torch.int64), 0).to(dtype=torch.int32)
+    offs = offs.to(device=a.device, non_blocking=True)
+    out = torch._grouped_mm(mat_a, mat_b, offs=offs)
+    if trans_a:
+        _zero_empty_groups(out, sizes)
+    return _finish(out, c)
+
+
+def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
+    """Ascend path via ``torch_npu.npu_grouped_matmul``.
+
+    NOT YET RUN ON AN NPU.  Written from the op-plugin documentation
+    (docs/context/torch_npu-npu_grouped_matmul.md) and the CANN
+    aclnnGroupedMatmulV4 docs, plus the calling pattern used by existing
+    Ascend MoE code; only exercised here against a fake that implements that
+    reading of the docs.
+
+    Signature used::
+
+        npu_grouped_matmul(x: List[Tensor], weight: List[Tensor], *,
+                           group_list: Tensor, split_item: int,
+                           group_type: int, group_list_type: int) -> List[Tensor]
+
+    * ``group_list`` is an int64 tensor on the NPU.  ``group_list_type=0``
+      means cumulative end offsets (non-decreasing), ``1`` means per-group
+      sizes; we pass the per-group sizes (``batch_sizes``) with type 1.
+    * ``split_item`` 2 or 3 makes the output a single tensor (0/1 gives a
+      list with one tensor per group).
+    * ``group_type=0`` groups the M axis: x [T, K] single tensor, weight a
+      single 3-D [E, K, N] tensor, output [T, N].  The weight may be a
+      *transposed view* (``b.transpose(1, 2)`` of [E, N, K]); x may not.
+    * ``group_type=2`` groups the K axis: x must be a transposed view
+      ([M, T] from ``a.t()``), weight [T, N] not transposed, output
+      [E, M, N].  (The torch_npu API page only lists -1/0 for group_type on
+      A2/A3; the aclnn page and common MoE training code use 2 for the weight
+      gradient.  This is the least-documented part of this branch.)
+
+    Needs a torch_npu whose ``npu_grouped_matmul`` accepts ``group_type`` and
+    ``group_list_type`` (older releases do not).  fp16/bf16 only here: the docs
+    allow fp32 only in some layouts and not on every product, so fp32/fp64 go
+    to the loop.  At most 1024 groups, inner dims < 65536 (else: loop).
+    Empty K-groups are zeroed explicitly, as the docs do not say what the
+    kernel writes for them.
+    """
+    import torch_npu  # lazy: only importable on Ascend machines
+
+    group_list = batch_sizes.to(dtype=torch.int64).to(device=a.device, non_blocking=True)
+    if trans_a:
+        x = a.contiguous().t()            # transposed view, as group_type=2 requires
+        w = b.contiguous()
+        out = torch_npu.npu_grouped_matmul(
+            [x], [w], group_list=group_list, split_item=3,
+            group_type=2, group_list_type=1)[0]
+        _zero_empty_groups(out, sizes)
+    else:
+        x = a.contiguous()
+        w = b.contiguous()
+        if trans_b:
+            w = w.transpose(1, 2)         # transposed view; the kernel reads it as-is
+        out = torch_npu.npu_grouped_matmul(
+            [x], [w], group_list=group_list, split_item=2,
+            group_type=0, group_list_type=1)[0]
+    return _finish(out, c)
+
+
+def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
+    """Grouped GEMM with the semantics of ``grouped_gemm.backend.gmm``.
+
+    Args:
+        a: [T, K] (or [T, M] with ``trans_a``).
+        b: [E, K, N], [E, N, K] with ``trans_b``, or [T, N] with ``trans_a``.
+        batch_sizes: 1-D CPU int64/int32 tensor of per-group row counts,
+            summing to ``T``.
+        trans_a: compute ``a_g.T @ b_g`` per group -> [E, M, N].
+        trans_b: use ``b[g].T``.
+        c: optional output buffer of the result's shape/dtype/device; it is
+            overwritten and returned.
+
+    Not differentiable (like the real backend); use ``ops.gmm`` for autograd.
+    Raises ``ValueError`` naming the offending argument before doing any work.
+    """
+    sizes = _validate(a, b, batch_sizes, trans_a, trans_b, c)
+    impl = _select_impl(a, b, batch_sizes, trans_a, trans_b)
+    with torch.no_grad():
+        if impl == IMPL_NPU:
+            return _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c)
+        if impl == IMPL_GROUPED_MM:
+            return _gmm_grouped_mm(a, b, batch_sizes, sizes, trans_a, trans_b, c)
+        if c is None:
+            c = torch.empty(_output_shape(a, b, len(sizes), trans_a, trans_b),
+                            dtype=a.dtype, device=a.device)
+        return _gmm_loop(a, b, sizes, trans_a, trans_b, c)
+
+
+# --------------------------------------------------------------------------
+# Autograd wrapper (grouped_gemm.ops)
+# --------------------------------------------------------------------------
+
+class GroupedGemm(torch.autograd.Function):
+    """``out = gmm(a, b, batch_sizes, trans_b=trans_b)`` with the real package's backward.
+
+    grad_a = gmm(grad, b, batch_sizes, trans_b=not trans_b)
+    grad_b = gmm(grad, a, batch_sizes, trans_a=True)   if trans_b  ([E, N, K])
+             gmm(a, grad, batch_sizes, trans_a=True)   otherwise  ([E, K, N])
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, batch_sizes, trans_b):
+        ctx.save_for_backward(a, b, batch_sizes)
+        ctx.trans_b = trans_b
+        return gmm(a, b, batch_sizes, trans_a=False, trans_b=trans_b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        a, b, batch_sizes = ctx.saved_tensors
+        trans_b = ctx.trans_b
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = gmm(grad, b, batch_sizes, trans_a=False, trans_b=not trans_b)
+        if ctx.needs_input_grad[1]:
+            lhs, rhs = (grad, a) if trans_b else (a, grad)
+            grad_b = gmm(lhs, rhs, batch_sizes, trans_a=True, trans_b=False)
+        return grad_a, grad_b, None, None
+
+
+def _ops_gmm(a, b, batch_sizes, trans_b=False):
+    """Differentiable grouped GEMM, same contract as ``grouped_gemm.ops.gmm``."""
+    return GroupedGemm.apply(a, b, batch_sizes, trans_b)
+
+
+_ops_gmm.__name__ = 'gmm'
+_ops_gmm.__qualname__ = 'gmm'
+
+backend = types.SimpleNamespace(gmm=gmm)
+ops = types.SimpleNamespace(gmm=_ops_gmm, GroupedGemm=GroupedGemm)
+
+
+# --------------------------------------------------------------------------
+# Module objects for sys.modules injection
+# --------------------------------------------------------------------------
+
+_STANDIN_DOC = ('megablocks-ascend stand-in for the CUDA-only `grouped_gemm` package '
+                '(tgale96/grouped_gemm); implemented in '
+                'megablocks_ascend.native.grouped_gemm.')
+
+
+def make_modules() -> dict:
+    """Build fresh module objects that look like the real ``grouped_gemm``.
+
+    Returns ``{'grouped_gemm': pkg, 'grouped_gemm.backend': backend_mod,
+    'grouped_gemm.ops': ops_mod}``.  Put all three into ``sys.modules`` and
+    ``import grouped_gemm`` / ``grouped_gemm.backend.gmm`` /
+    ``grouped_gemm.ops.gmm`` resolve to this implementation.  The modules have
+    no ``__file__``; each carries ``__megablocks_ascend_standin__ = True`` and
+    a ``__doc__`` saying what it is.  Nothing is registered by this function.
+    """
+    import importlib.machinery
+
+    def new(name, doc, is_package=False):
+        mod = types.ModuleType(name, doc)
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=is_package)
+        if is_package:
+            mod.__path__ = []
+        mod.__package__ = name if is_package else name.rpartition('.')[0]
+        mod.__megablocks_ascend_standin__ = True
+        return mod
+
+    backend_mod = new('grouped_gemm.backend',
+                      _STANDIN_DOC + ' Submodule `backend`: gmm(a, b, batch_sizes, '
+                      'trans_a=False, trans_b=False, c=None), not differentiable.')
+    backend_mod.gmm = gmm
+    backend_mod.gmm_impl_name = gmm_impl_name
+
+    ops_mod = new('grouped_gemm.ops',
+                  _STANDIN_DOC + ' Submodule `ops`: gmm(a, b, batch_sizes, '
+                  'trans_b=False) as a torch.autograd.Function.')
+    ops_mod.gmm = _ops_gmm
+    ops_mod.GroupedGemm = GroupedGemm
+    ops_mod.backend = backend_mod
+
+    pkg = new('grouped_gemm', _STANDIN_DOC, is_package=True)
+    pkg.backend = backend_mod
+    pkg.ops = ops_mod
+    pkg.gmm_impl_name = gmm_impl_name
+
+    return {
+        'grouped_gemm': pkg,
+        'grouped_gemm.backend': backend_mod,
+        'grouped_gemm.ops': ops_mod,
+    }
