@@ -1,0 +1,189 @@
+"""Which implementation serves each routing call, and a record of who served it.
+
+``MEGABLOCKS_BACKEND`` (see :mod:`megablocks_ascend.envs`) or the :func:`use_backend`
+context manager picks one of:
+
+``ascend``  our Triton kernels (:mod:`megablocks_ascend.kernels.routing`): triton-ascend on
+            NPU tensors, standard Triton on CUDA tensors, the Triton interpreter on CPU tensors.
+``cuda``    upstream MegaBlocks' kernels (``megablocks.backend.kernels`` as shipped), CUDA only.
+``torch``   plain PyTorch (:mod:`megablocks_ascend.reference`), any device.
+``auto``    by device: NPU -> ``ascend``, CUDA -> ``cuda``, CPU -> ``torch``.
+
+There is no fallback: a backend that cannot run on the given tensors raises
+:class:`BackendUnavailable` saying what to change. :func:`trace` records every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import inspect
+from typing import Callable, Iterator
+
+import torch
+
+from megablocks_ascend import compat, envs, reference, validation
+from megablocks_ascend.kernels import routing
+
+BACKENDS = envs.BACKENDS
+_AUTO = {"npu": "ascend", "cuda": "cuda", "cpu": "torch"}
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot serve tensors on this device."""
+
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("megablocks_backend", default=None)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Serve routing calls in this block with backend ``name`` (overrides ``MEGABLOCKS_BACKEND``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid values are: {', '.join(BACKENDS)}")
+    token = _override.set(name)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def requested() -> str:
+    """The backend asked for: the innermost :func:`use_backend`, else ``MEGABLOCKS_BACKEND``."""
+    return _override.get() or envs.backend()
+
+
+def resolve(device: torch.device) -> str:
+    """The backend that serves tensors on ``device``, or :class:`BackendUnavailable`."""
+    name = requested()
+    if name == "auto":
+        if device.type not in _AUTO:
+            raise BackendUnavailable(
+                f"MEGABLOCKS_BACKEND=auto has no backend for {device.type} tensors; "
+                "set MEGABLOCKS_BACKEND=torch to use plain PyTorch")
+        name = _AUTO[device.type]
+    if name == "ascend":
+        if device.type == "cpu" and not compat.interpreter_active():
+            raise BackendUnavailable("MEGABLOCKS_BACKEND=ascend: " + compat.INTERPRETER_HINT)
+        if device.type == "npu" and not compat.is_triton_ascend():
+            raise BackendUnavailable(
+                "MEGABLOCKS_BACKEND=ascend on NPU tensors needs triton-ascend "
+                "(pip install 'megablocks-ascend[npu]'), but the installed triton is not triton-ascend")
+        if device.type not in ("cpu", "cuda", "npu"):
+            raise BackendUnavailable(f"MEGABLOCKS_BACKEND=ascend cannot run on {device.type} tensors")
+    elif name == "cuda" and device.type != "cuda":
+        raise BackendUnavailable(
+            f"MEGABLOCKS_BACKEND=cuda runs upstream MegaBlocks' CUDA kernels, but the tensors are on "
+            f"{device}; use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
+    return name
+
+
+# ------------------------------------------------------------------------------------------
+# Trace: who served what.
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    op: str
+    backend: str
+    device: str
+
+
+_traces: list[list[Call]] = []
+_last: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def trace() -> Iterator[list[Call]]:
+    """Collect a :class:`Call` for every routing kernel call made in this block."""
+    calls: list[Call] = []
+    _traces.append(calls)
+    try:
+        yield calls
+    finally:
+        _traces.remove(calls)
+
+
+def last_backend(op: str) -> str | None:
+    """The backend that served the most recent call of ``op`` (e.g. ``"binned_gather"``)."""
+    return _last.get(op)
+
+
+def _record(op: str, backend: str, device: torch.device) -> None:
+    _last[op] = backend
+    call = Call(op, backend, str(device))
+    for calls in _traces:
+        calls.append(call)
+
+
+# ------------------------------------------------------------------------------------------
+# The kernel entry points MegaBlocks calls (megablocks.backend.kernels), dispatched.
+
+# name -> (parameters, ndim of x, whether x's rows are the tokens / the assignments)
+SPECS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
+    "binned_gather": (("x", "indices", "weights", "bins", "expert_capacity", "top_k"), 2, "tokens"),
+    "binned_scatter": (("x", "indices", "weights", "bins", "top_k"), 3, None),
+    "binned_scatter_wgrad": (("x", "grad", "indices", "bins", "top_k"), 3, None),
+    "gather": (("x", "indices", "bin_ids", "weights", "bins", "top_k"), 2, "tokens"),
+    "scatter": (("x", "indices", "bin_ids", "weights", "bins", "top_k"), 2, "assignments"),
+    "scatter_wgrad": (("x", "grad", "indices", "bin_ids", "bins", "top_k"), 2, "assignments"),
+    "padded_gather": (("x", "indices", "bin_ids", "weights", "bins", "padded_bins", "top_k"), 2, "tokens"),
+    "padded_scatter": (("x", "indices", "bin_ids", "weights", "bins", "padded_bins", "top_k"), 2, None),
+    "padded_scatter_wgrad": (("x", "grad", "indices", "bin_ids", "bins", "padded_bins", "top_k"), 2, None),
+}
+
+_TENSOR_ARGS = ("x", "grad", "indices", "bin_ids", "weights", "bins", "padded_bins")
+
+# Upstream's functions, for the ``cuda`` backend. Filled by the patch registry before it
+# replaces them (megablocks_ascend.patching); looked up lazily otherwise.
+UPSTREAM: dict[str, Callable] = {}
+
+
+def _upstream(name: str) -> Callable:
+    if name not in UPSTREAM:
+        import megablocks.backend.kernels as upstream  # noqa: PLC0415
+        fn = getattr(upstream, name)
+        if getattr(fn, "__megablocks_ascend__", False):
+            raise BackendUnavailable(f"upstream megablocks.backend.kernels.{name} was not recorded before patching")
+        UPSTREAM[name] = fn
+    return UPSTREAM[name]
+
+
+def _implementation(name: str, backend: str) -> Callable:
+    if backend == "ascend":
+        return getattr(routing, name)
+    if backend == "torch":
+        return getattr(reference, name)
+    return _upstream(name)
+
+
+def _make_dispatcher(name: str) -> Callable:
+    params, x_ndim, x_rows = SPECS[name]
+    signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+
+    def dispatcher(*args, **kwargs):
+        a = signature.bind(*args, **kwargs).arguments
+        x, indices, top_k = a["x"], a["indices"], a["top_k"]
+        validation.check_routing(
+            name, x=x, x_ndim=x_ndim, indices=indices, bins=a["bins"], top_k=top_k,
+            bin_ids=a.get("bin_ids"), weights=a.get("weights"), padded_bins=a.get("padded_bins"),
+            expert_capacity=a.get("expert_capacity"), grad=a.get("grad"),
+            tokens=x.shape[0] if x_rows == "tokens" else None)
+        if x_rows == "assignments" and x.shape[0] != indices.shape[0]:
+            validation._fail(name, "x", f"must have one row per assignment ({indices.shape[0]}), got {x.shape[0]}")
+        backend = resolve(x.device)
+        if backend == "ascend":
+            a = {k: (v.contiguous() if k in _TENSOR_ARGS and v is not None else v) for k, v in a.items()}
+        _record(name, backend, x.device)
+        return _implementation(name, backend)(**a)
+
+    dispatcher.__name__ = dispatcher.__qualname__ = name
+    dispatcher.__signature__ = signature
+    dispatcher.__doc__ = f"megablocks.backend.kernels.{name}, served by the backend MEGABLOCKS_BACKEND selects."
+    dispatcher.__megablocks_ascend__ = True
+    return dispatcher
+
+
+KERNELS: dict[str, Callable] = {name: _make_dispatcher(name) for name in SPECS}
+globals().update(KERNELS)

@@ -1,0 +1,74 @@
+"""Every environment variable megablocks-ascend reads, in one table.
+
+Values are read when they are used (not cached at import), so a test or a
+training script may change them between calls.
+
+=================================  ========  ==================================================
+variable                           default   meaning
+=================================  ========  ==================================================
+``MEGABLOCKS_BACKEND``             ``auto``  Which implementation serves MegaBlocks' routing ops.
+                                             ``auto``: NPU tensors -> ``ascend`` (our Triton
+                                             kernels), CUDA tensors -> ``cuda`` (upstream
+                                             MegaBlocks), CPU tensors -> ``torch``.
+                                             ``ascend``: our Triton kernels on any device (on CPU
+                                             through the Triton interpreter).
+                                             ``cuda``: upstream MegaBlocks' kernels (CUDA only).
+                                             ``torch``: pure PyTorch, any device.
+``MEGABLOCKS_ASCEND_CHECKS``       ``0``     ``1`` adds the input checks that need a device-to-host
+                                             sync (bins monotone, ``bins[-1]`` equal to the number
+                                             of assignments, indices a permutation, bin_ids
+                                             consistent with bins, finite weights). Checks that
+                                             read only shapes, dtypes and devices are always on.
+``MEGABLOCKS_ASCEND_NUM_PROGRAMS`` unset     Overrides the number of programs (the 1-D grid) the
+                                             Ascend kernels launch; by default it comes from the
+                                             device (vector cores on an NPU, SMs on CUDA).
+=================================  ========  ==================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+BACKEND_VAR = "MEGABLOCKS_BACKEND"
+CHECKS_VAR = "MEGABLOCKS_ASCEND_CHECKS"
+NUM_PROGRAMS_VAR = "MEGABLOCKS_ASCEND_NUM_PROGRAMS"
+
+BACKENDS = ("auto", "ascend", "cuda", "torch")
+
+
+def backend() -> str:
+    """The value of ``MEGABLOCKS_BACKEND``, validated."""
+    value = os.environ.get(BACKEND_VAR, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(
+            f"{BACKEND_VAR}={os.environ.get(BACKEND_VAR)!r} is not a backend; "
+            f"valid values are: {', '.join(BACKENDS)}"
+        )
+    return value
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "0").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 0 or 1")
+
+
+def checks_enabled() -> bool:
+    """Whether the input checks that need a device-to-host sync run."""
+    return _flag(CHECKS_VAR)
+
+
+def num_programs_override() -> int | None:
+    value = os.environ.get(NUM_PROGRAMS_VAR)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{NUM_PROGRAMS_VAR}={value!r}: expected a positive integer")
+    return n

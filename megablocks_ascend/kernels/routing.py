@@ -1,0 +1,372 @@
+"""Routing kernels for the three MegaBlocks layouts: binned, dropless and padded.
+
+Vocabulary
+----------
+assignment slot ``a``   one (token, choice) pair, ``a = token * top_k + choice``; ``N = tokens * top_k``.
+sorted position ``p``   index into ``indices``: ``indices[p]`` is the slot at position ``p``, and
+                        positions are grouped by expert (``bins`` is the inclusive cumulative count
+                        of positions per expert).
+buffer row ``r``        a row of the expert-major buffer that the expert MLPs read. Expert ``e``
+                        owns rows ``[pend[e-1], pend[e])``, where ``pend`` (the end of each expert's
+                        row segment) is
+                          * dropless: ``bins`` itself (no padding, no dropping),
+                          * padded:   ``padded_bins`` (segments rounded up; the extra rows are zero),
+                          * binned:   ``(e + 1) * expert_capacity`` (positions past the capacity are
+                                      dropped; unused capacity rows are zero).
+                        Position ``p`` of expert ``e`` lands on row ``pend[e-1] + (p - bins[e-1])``
+                        when that is below ``pend[e]``, and is dropped otherwise.
+
+One formula therefore serves all three layouts; each layout only chooses ``pend``.
+
+Kernels
+-------
+``_gather``   buffer-row-major: each program walks sub-blocks of ``BLOCK_M`` buffer rows, finds
+              for each row its position (or that it is padding), and copies token rows
+              ``x[indices[p] // top_k]`` in feature tiles of ``BLOCK_X``, optionally scaled by the
+              router weight. Padding and unused capacity rows are written as zeros, so the output
+              needs no separate zero fill, and every output row is written exactly once.
+``_route_map`` position-major: for each position, the buffer row it lands on (or -1 when
+              dropped), stored at its slot: the inverse map the token-major kernels need.
+``_scatter``  token-major: each program walks sub-blocks of ``BLOCK_M`` tokens and, per feature
+              tile, sums the token's ``top_k`` buffer rows (scaled by the router weights) in
+              float32 registers; each output row is written once, with no ``[tokens, top_k,
+              hidden]`` temporary and no separate reduction pass.
+``_wgrad``    slot-major: the float32 dot product of each slot's buffer row with its token's
+              output gradient (zero for dropped slots): the router-weight gradient.
+
+Every kernel has a 1-D grid of ``devices.num_programs`` programs (vector cores on an NPU) that
+loop over their sub-blocks; rows are moved by 2-D tiles whose row offsets come from an index
+vector, which triton-ascend lowers to one contiguous DMA per row. Offsets are int32 unless a
+tensor has 2**31 elements or more, in which case the launcher specialises the kernel with
+``INT64=True``. Masks keep every access inside its tensor, whatever the routing says.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megablocks_ascend import devices
+from megablocks_ascend.compat import kernel
+
+DROPLESS, PADDED, BINNED = 0, 1, 2
+_INT32_LIMIT = 2**31
+
+
+@kernel
+def _gather(
+    x, out, indices, bins, padded_bins, weights,
+    num_rows, num_positions, num_experts, hidden, capacity,
+    LAYOUT: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_X)
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < num_experts
+    if LAYOUT != DROPLESS:
+        ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
+        if LAYOUT == PADDED:
+            pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
+        else:
+            pends = (e + 1) * capacity
+        big = tl.full((BLOCK_M, BLOCK_E), 2147483647, tl.int32)
+        zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+    for blk in range(pid, tl.cdiv(num_rows, BLOCK_M), npg):
+        rows = blk * BLOCK_M + m
+        in_rows = rows < num_rows
+        if LAYOUT == DROPLESS:
+            pos = rows
+            valid = in_rows
+        else:
+            # Experts whose row segment ends at or before this row come before it.
+            # (bins and padded_bins are non-decreasing, so max/min over these sets pick e-1 and e).
+            before = (pends[None, :] <= rows[:, None]) & e_mask[None, :]
+            after = (pends[None, :] > rows[:, None]) & e_mask[None, :]
+            seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
+            pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
+            seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
+            pos_end = tl.min(tl.where(after, ends[None, :], big), axis=1)
+            pos = pos_start + (rows - seg_start)
+            valid = in_rows & (rows < seg_end) & (pos < pos_end) & (pos < num_positions)
+        slot = tl.load(indices + pos, mask=valid, other=0).to(tl.int32)
+        valid = valid & (slot >= 0) & (slot < num_positions)
+        token = slot // TOP_K
+        if SCALE:
+            scale = tl.load(weights + slot, mask=valid, other=0).to(tl.float32)
+        if INT64:
+            src = token.to(tl.int64) * hidden
+            dst = rows.to(tl.int64) * hidden
+        else:
+            src = token * hidden
+            dst = rows * hidden
+        for x0 in range(0, hidden, BLOCK_X):
+            c = x0 + cols
+            c_mask = c < hidden
+            tile = tl.load(x + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+            if SCALE:
+                tile = (tile.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
+            tl.store(out + dst[:, None] + c[None, :], tile, mask=in_rows[:, None] & c_mask[None, :])
+
+
+@kernel
+def _route_map(
+    indices, bins, padded_bins, slot_to_row,
+    num_positions, num_experts, capacity,
+    LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < num_experts
+    if LAYOUT != DROPLESS:
+        ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
+        if LAYOUT == PADDED:
+            pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
+        else:
+            pends = (e + 1) * capacity
+        big = tl.full((BLOCK_M, BLOCK_E), 2147483647, tl.int32)
+        zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+    for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
+        pos = blk * BLOCK_M + m
+        in_pos = pos < num_positions
+        if LAYOUT == DROPLESS:
+            row = pos
+            keep = in_pos
+        else:
+            # Experts whose positions end at or before this position come before it.
+            before = (ends[None, :] <= pos[:, None]) & e_mask[None, :]
+            after = (ends[None, :] > pos[:, None]) & e_mask[None, :]
+            pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
+            seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
+            seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
+            row = seg_start + (pos - pos_start)
+            # A position past bins[-1] has no expert (after is empty, seg_end stays big).
+            keep = in_pos & (row < seg_end) & (seg_end < 2147483647)
+        slot = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
+        ok = in_pos & (slot >= 0) & (slot < num_positions)
+        tl.store(slot_to_row + slot, tl.where(keep, row, -1), mask=ok)
+
+
+@kernel
+def _scatter(
+    y, out, slot_to_row, weights,
+    num_tokens, num_rows, hidden,
+    TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_X)
+    for blk in range(pid, tl.cdiv(num_tokens, BLOCK_M), npg):
+        tokens = blk * BLOCK_M + m
+        in_tokens = tokens < num_tokens
+        if INT64:
+            dst = tokens.to(tl.int64) * hidden
+        else:
+            dst = tokens * hidden
+        for x0 in range(0, hidden, BLOCK_X):
+            c = x0 + cols
+            c_mask = c < hidden
+            acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
+            for k in tl.static_range(TOP_K):
+                slot = tokens * TOP_K + k
+                row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
+                valid = in_tokens & (row >= 0) & (row < num_rows)
+                if INT64:
+                    src = row.to(tl.int64) * hidden
+                else:
+                    src = row * hidden
+                tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+                tile = tile.to(tl.float32)
+                if SCALE:
+                    tile = tile * tl.load(weights + slot, mask=valid, other=0).to(tl.float32)[:, None]
+                acc += tile
+            tl.store(out + dst[:, None] + c[None, :], acc.to(out.dtype.element_ty),
+                     mask=in_tokens[:, None] & c_mask[None, :])
+
+
+@kernel
+def _wgrad(
+    y, grad, out, slot_to_row,
+    num_slots, num_rows, hidden,
+    TOP_K: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_X)
+    for blk in range(pid, tl.cdiv(num_slots, BLOCK_M), npg):
+        slots = blk * BLOCK_M + m
+        in_slots = slots < num_slots
+        row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
+        valid = in_slots & (row >= 0) & (row < num_rows)
+        token = slots // TOP_K
+        if INT64:
+            src = row.to(tl.int64) * hidden
+            gsrc = token.to(tl.int64) * hidden
+        else:
+            src = row * hidden
+            gsrc = token * hidden
+        acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
+        for x0 in range(0, hidden, BLOCK_X):
+            c = x0 + cols
+            mask = valid[:, None] & (c < hidden)[None, :]
+            a = tl.load(y + src[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
+            b = tl.load(grad + gsrc[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
+            acc += a * b
+        tl.store(out + slots, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=in_slots)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers. They take validated, contiguous tensors (see megablocks_ascend.validation) and
+# never launch on empty work.
+
+
+def _block_e(num_experts: int) -> int:
+    return max(triton.next_power_of_2(max(num_experts, 1)), 2)
+
+
+def _needs_int64(*numels: int) -> bool:
+    return max(numels) >= _INT32_LIMIT
+
+
+def _tile(kind, dtype, hidden, device, tile):
+    return tile if tile is not None else devices.tile(kind, dtype, hidden, devices.target(device))
+
+
+def _grid(device, work: int, num_programs):
+    n = num_programs if num_programs is not None else devices.num_programs(device, work)
+    return (max(1, min(n, work)),)
+
+
+def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k,
+                capacity=0, tile=None, num_programs=None):
+    """``out[r] = x[slot(r) // top_k] * weights[slot(r)]`` for every buffer row ``r`` (0 for padding)."""
+    hidden = x.shape[1]
+    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or hidden == 0:
+        return out
+    t = _tile("gather", x.dtype, hidden, x.device, tile)
+    _gather[_grid(x.device, triton.cdiv(num_rows, t.block_m), num_programs)](
+        x, out, indices, bins, padded_bins if padded_bins is not None else bins,
+        weights if weights is not None else x,
+        num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
+        LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
+        INT64=_needs_int64(x.numel(), out.numel()),
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+    )
+    return out
+
+
+def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
+    """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped."""
+    n = indices.shape[0]
+    slot_to_row = torch.empty(n, dtype=torch.int32, device=indices.device)
+    if n == 0:
+        return slot_to_row
+    if block_m is None:
+        block_m = 64 if indices.device.type == "cpu" else 128
+    _route_map[_grid(indices.device, triton.cdiv(n, block_m), num_programs)](
+        indices, bins, padded_bins if padded_bins is not None else bins, slot_to_row,
+        n, bins.shape[0], capacity,
+        LAYOUT=layout, BLOCK_M=block_m, BLOCK_E=_block_e(bins.shape[0]),
+    )
+    return slot_to_row
+
+
+def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_programs=None):
+    """``out[t] = sum_k weights[t*top_k+k] * y[slot_to_row[t*top_k+k]]`` (float32 sum, one write)."""
+    hidden = y.shape[-1]
+    y = y.reshape(-1, hidden)
+    out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    t = _tile("scatter", y.dtype, hidden, y.device, tile)
+    _scatter[_grid(y.device, triton.cdiv(num_tokens, t.block_m), num_programs)](
+        y, out, slot_to_row, weights if weights is not None else y,
+        num_tokens, y.shape[0], hidden,
+        TOP_K=top_k, SCALE=weights is not None, INT64=_needs_int64(y.numel(), out.numel()),
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, num_warps=t.num_warps,
+    )
+    return out
+
+
+def wgrad_rows(y, grad, slot_to_row, *, top_k, tile=None, num_programs=None):
+    """``out[a] = <y[slot_to_row[a]], grad[a // top_k]>`` in float32 (0 where dropped)."""
+    hidden = y.shape[-1]
+    y = y.reshape(-1, hidden)
+    n = slot_to_row.shape[0]
+    out = torch.empty(n, dtype=y.dtype, device=y.device)
+    if n == 0:
+        return out
+    if hidden == 0:
+        return out.zero_()
+    t = _tile("wgrad", y.dtype, hidden, y.device, tile)
+    _wgrad[_grid(y.device, triton.cdiv(n, t.block_m), num_programs)](
+        y, grad, out, slot_to_row,
+        n, y.shape[0], hidden,
+        TOP_K=top_k, INT64=_needs_int64(y.numel(), grad.numel()),
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, num_warps=t.num_warps,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# MegaBlocks' kernel entry points (megablocks.backend.kernels), same signatures and results.
+
+
+def binned_gather(x, indices, weights, bins, expert_capacity, top_k, **launch):
+    out = gather_rows(x, indices, bins, None, weights, layout=BINNED, top_k=top_k,
+                      num_rows=bins.shape[0] * expert_capacity, capacity=expert_capacity, **launch)
+    return out.view(bins.shape[0], expert_capacity, x.shape[1])
+
+
+def binned_scatter(x, indices, weights, bins, top_k, **launch):
+    num_experts, capacity, _ = x.shape
+    slot_to_row = route_map(indices, bins, None, layout=BINNED, capacity=capacity,
+                            num_programs=launch.get("num_programs"))
+    return scatter_rows(x, slot_to_row, weights, num_tokens=indices.shape[0] // top_k, top_k=top_k, **launch)
+
+
+def binned_scatter_wgrad(x, grad, indices, bins, top_k, **launch):
+    slot_to_row = route_map(indices, bins, None, layout=BINNED, capacity=x.shape[1],
+                            num_programs=launch.get("num_programs"))
+    return wgrad_rows(x, grad, slot_to_row, top_k=top_k, **launch)
+
+
+def gather(x, indices, bin_ids, weights, bins, top_k, **launch):
+    return gather_rows(x, indices, bins, None, weights, layout=DROPLESS, top_k=top_k,
+                       num_rows=indices.shape[0], **launch)
+
+
+def scatter(x, indices, bin_ids, weights, bins, top_k, **launch):
+    slot_to_row = route_map(indices, bins, None, layout=DROPLESS, num_programs=launch.get("num_programs"))
+    return scatter_rows(x, slot_to_row, weights, num_tokens=indices.shape[0] // top_k, top_k=top_k, **launch)
+
+
+def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, **launch):
+    slot_to_row = route_map(indices, bins, None, layout=DROPLESS, num_programs=launch.get("num_programs"))
+    return wgrad_rows(x, grad, slot_to_row, top_k=top_k, **launch)
+
+
+def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
+    num_rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
+    return gather_rows(x, indices, bins, padded_bins, weights, layout=PADDED, top_k=top_k,
+                       num_rows=num_rows, **launch)
+
+
+def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
+    slot_to_row = route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
+    return scatter_rows(x, slot_to_row, weights, num_tokens=indices.shape[0] // top_k, top_k=top_k, **launch)
+
+
+def padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k, **launch):
+    slot_to_row = route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
+    return wgrad_rows(x, grad, slot_to_row, top_k=top_k, **launch)

@@ -1,0 +1,123 @@
+"""A stand-in for ``megablocks_ops``, MegaBlocks' CUDA extension, in device-agnostic PyTorch.
+
+MegaBlocks' ``megablocks/ops/{sort,histogram,cumsum,replicate,topology}.py`` import this
+extension at import time, so without it ``import megablocks`` fails. The functions below have
+the extension's signatures and write the same results into the same output arguments
+(semantics from upstream's ``csrc/``: CUB radix sort, even histogram, CUB scans, the topology
+index kernel and the replicate kernels). They run on whatever device their tensors are on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+def _check(name, t, ndim, dtypes=_INT_DTYPES):
+    if not isinstance(t, torch.Tensor) or t.ndim != ndim or t.dtype not in dtypes:
+        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"megablocks_ops: '{name}' must be a {ndim}-D tensor of {dtypes}, got {got}")
+
+
+def sort(x: torch.Tensor, end_bit: int, x_out: torch.Tensor, iota_out: torch.Tensor) -> None:
+    """Stable ascending sort of ``x`` on its bits ``[0, end_bit)``; ``iota_out`` gets the permutation.
+
+    CUB's radix sort over the low ``end_bit`` bits is stable, and keys keep their full value
+    in ``x_out``; a stable sort on the masked keys reproduces it exactly.
+    """
+    _check("x", x, 1)
+    _check("x_out", x_out, 1, (x.dtype,))
+    _check("iota_out", iota_out, 1, (x.dtype,))
+    if x.numel() == 0:
+        return
+    keys = x.long()
+    if end_bit < 64:
+        keys = keys & ((1 << end_bit) - 1)
+    order = torch.sort(keys, stable=True).indices
+    x_out.copy_(x[order])
+    iota_out.copy_(order.to(x.dtype))
+
+
+def histogram(x: torch.Tensor, max_val: int) -> torch.Tensor:
+    """int32 counts of the values ``0 .. max_val-1`` (others ignored), per row if ``x`` is 2-D."""
+    if not isinstance(x, torch.Tensor) or x.ndim not in (1, 2) or x.dtype not in _INT_DTYPES:
+        raise ValueError("megablocks_ops.histogram: 'x' must be a 1-D or 2-D integer tensor")
+    num_bins = int(max_val)
+    rows = x.view(1, -1) if x.ndim == 1 else x
+    out = torch.zeros((rows.shape[0], num_bins), dtype=torch.int32, device=x.device)
+    if rows.numel():
+        values = rows.long()
+        inside = (values >= 0) & (values < num_bins)
+        flat = values + torch.arange(rows.shape[0], device=x.device)[:, None] * num_bins
+        counts = torch.bincount(flat[inside], minlength=rows.shape[0] * num_bins)
+        out.copy_(counts.view(rows.shape[0], num_bins))
+    return out.flatten() if x.ndim == 1 else out
+
+
+def _cumsum(x, dim, out, exclusive):
+    _check("x", x, 2)
+    _check("out", out, 2, (x.dtype,))
+    if dim != 1:
+        raise ValueError(f"megablocks_ops: cumsum supports only dim=1 (the contiguous one), got {dim}")
+    total = torch.cumsum(x, dim=1, dtype=x.dtype)
+    if exclusive:
+        total = total - x
+    out.copy_(total)
+
+
+def inclusive_cumsum(x: torch.Tensor, dim: int, out: torch.Tensor) -> None:
+    _cumsum(x, dim, out, exclusive=False)
+
+
+def exclusive_cumsum(x: torch.Tensor, dim: int, out: torch.Tensor) -> None:
+    _cumsum(x, dim, out, exclusive=True)
+
+
+def indices(padded_bins: torch.Tensor, block_size: int, output_block_rows: int,
+            output_block_columns: int, out: torch.Tensor) -> None:
+    """The block-sparse topology's column indices: block row ``r`` of expert ``e`` holds
+    columns ``e * output_block_columns + (0 .. output_block_columns-1)``."""
+    _check("padded_bins", padded_bins, 1, (torch.int32,))
+    _check("out", out, 1, (torch.int16,))
+    if out.numel() != output_block_rows * output_block_columns:
+        raise ValueError("megablocks_ops.indices: 'out' must have output_block_rows * output_block_columns elements")
+    if out.numel() == 0:
+        return
+    block_ends = padded_bins.long() // block_size
+    rows = torch.arange(output_block_rows, device=out.device)
+    expert = torch.searchsorted(block_ends, rows, right=True)
+    cols = torch.arange(output_block_columns, device=out.device)
+    values = expert[:, None] * output_block_columns + cols[None, :]
+    # Rows past the last expert's blocks are never written by the CUDA kernel; keep them as they are.
+    covered = (expert < padded_bins.numel())[:, None].expand_as(values)
+    view = out.view(output_block_rows, output_block_columns)
+    view[covered] = values[covered].to(torch.int16)
+
+
+def replicate_forward(x: torch.Tensor, bins: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[b, j] = x[b, e]`` for every column ``j`` in bin ``e`` (bins: inclusive ends)."""
+    if x.ndim != 2 or out.ndim != 2 or out.dtype != x.dtype or x.shape[0] != out.shape[0]:
+        raise ValueError("megablocks_ops.replicate_forward: x and out must be 2-D, same dtype and batch")
+    _check("bins", bins, 1, (torch.int32,))
+    if x.shape[1] != bins.shape[0]:
+        raise ValueError("megablocks_ops.replicate_forward: x must have one column per bin")
+    if out.numel() == 0:
+        return
+    counts = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.long))
+    out.copy_(torch.repeat_interleave(x, counts, dim=1, output_size=out.shape[1]))
+
+
+def replicate_backward(grad: torch.Tensor, bins: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[b, e] = sum of grad[b, j]`` over the columns ``j`` of bin ``e``."""
+    if grad.ndim != 2 or out.ndim != 2 or grad.shape[0] != out.shape[0]:
+        raise ValueError("megablocks_ops.replicate_backward: grad and out must be 2-D with the same batch")
+    _check("bins", bins, 1, (torch.int32,))
+    if out.shape[1] != bins.shape[0]:
+        raise ValueError("megablocks_ops.replicate_backward: out must have one column per bin")
+    counts = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.long))
+    owner = torch.repeat_interleave(torch.arange(bins.shape[0], device=grad.device), counts,
+                                    output_size=grad.shape[1])
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=grad.device)
+    acc.index_add_(1, owner, grad.float())
+    out.copy_(acc.to(out.dtype))

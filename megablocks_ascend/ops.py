@@ -1,0 +1,170 @@
+"""MegaBlocks' routing ops (``megablocks.ops``) with upstream's autograd semantics.
+
+Each op is the same ``torch.autograd.Function`` as upstream's ``megablocks/ops/<op>.py``
+(same forward, same backward, same saved tensors), with two differences: kernels are called
+through :mod:`megablocks_ascend.backends`, so ``MEGABLOCKS_BACKEND`` decides who serves them,
+and the autocast handling follows the tensors' device instead of assuming CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megablocks_ascend import backends as kernels
+from megablocks_ascend.autocast import custom_bwd, custom_fwd
+
+
+class BinnedGatherOp(torch.autograd.Function):
+
+    @staticmethod
+    @custom_fwd(cast_inputs=True)
+    def forward(ctx: Any, x, indices, bins, bin_size: int, top_k: int):
+        ctx.save_for_backward(indices, bins)
+        ctx.top_k = top_k
+        return kernels.binned_gather(x, indices, None, bins, bin_size, top_k)
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx: Any, grad):
+        indices, bins = ctx.saved_tensors
+        out = kernels.binned_scatter(grad.contiguous(), indices, None, bins, ctx.top_k)
+        return out, None, None, None, None
+
+
+class BinnedScatterOp(torch.autograd.Function):
+
+    @staticmethod
+    @custom_fwd(cast_inputs=True)
+    def forward(ctx: Any, x, indices, weights, bins, top_k: int):
+        if x.ndim != 3:
+            raise ValueError(f"binned_scatter: argument 'x' must be 3-D, got shape {tuple(x.shape)}")
+        ctx.bin_size = x.shape[1]
+        ctx.top_k = top_k
+        ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, indices, weights, bins)
+        return kernels.binned_scatter(x, indices, weights, bins, top_k)
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx: Any, grad):
+        grad = grad.contiguous()
+        x, indices, weights, bins = ctx.saved_tensors
+        out = kernels.binned_gather(grad, indices, weights, bins, ctx.bin_size, ctx.top_k)
+        wgrad = None
+        if ctx.needs_input_grad[2]:
+            wgrad = kernels.binned_scatter_wgrad(x, grad, indices, bins, ctx.top_k)
+        return out, None, wgrad, None, None
+
+
+class GatherOp(torch.autograd.Function):
+
+    @staticmethod
+    @custom_fwd(cast_inputs=True)
+    def forward(ctx: Any, x, indices, bin_ids, bins, top_k: int):
+        ctx.save_for_backward(indices, bin_ids, bins)
+        ctx.top_k = top_k
+        return kernels.gather(x, indices, bin_ids, None, bins, top_k)
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx: Any, grad):
+        indices, bin_ids, bins = ctx.saved_tensors
+        out = kernels.scatter(grad.contiguous(), indices, bin_ids, None, bins, ctx.top_k)
+        return out, None, None, None, None
+
+
+class ScatterOp(torch.autograd.Function):
+
+    @staticmethod
+    @custom_fwd(cast_inputs=True)
+    def forward(ctx: Any, x, indices, bin_ids, weights, bins, top_k: int):
+        ctx.save_for_backward(indices, bin_ids, weights, bins, x if ctx.needs_input_grad[3] else None)
+        ctx.top_k = top_k
+        return kernels.scatter(x, indices, bin_ids, weights, bins, top_k)
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx: Any, grad):
+        grad = grad.contiguous()
+        indices, bin_ids, weights, bins, x = ctx.saved_tensors
+        dgrad = wgrad = None
+        if ctx.needs_input_grad[0]:
+            dgrad = kernels.gather(grad, indices, bin_ids, weights, bins, ctx.top_k)
+        if ctx.needs_input_grad[3]:
+            wgrad = kernels.scatter_wgrad(x, grad, indices, bin_ids, bins, ctx.top_k)
+        return dgrad, None, None, wgrad, None, None
+
+
+class PaddedGatherOp(torch.autograd.Function):
+
+    @staticmethod
+    @custom_fwd(cast_inputs=True)
+    def forward(ctx: Any, x, indices, bin_ids, bins, padded_bins, top_k: int):
+        ctx.save_for_backward(indices, bin_ids, bins, padded_bins)
+        ctx.top_k = top_k
+        return kernels.padded_gather(x, indices, bin_ids, None, bins, padded_bins, top_k)
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx: Any, grad):
+        indices, bin_ids, bins, padded_bins = ctx.saved_tensors
+        out = kernels.padded_scatter(grad.contiguous(), indices, bin_ids, None, bins, padded_bins, ctx.top_k)
+        return out, None, None, None, None, None
+
+
+class PaddedScatterOp(torch.autograd.Function):
+
+    @staticmethod
+    @custom_fwd(cast_inputs=True)
+    def forward(ctx: Any, x, indices, bin_ids, weights, bins, padded_bins, top_k: int):
+        ctx.save_for_backward(indices, bin_ids, weights, bins, padded_bins,
+                              x if ctx.needs_input_grad[3] else None)
+        ctx.top_k = top_k
+        return kernels.padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k)
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx: Any, grad):
+        grad = grad.contiguous()
+        indices, bin_ids, weights, bins, padded_bins, x = ctx.saved_tensors
+        dgrad = wgrad = None
+        if ctx.needs_input_grad[0]:
+            dgrad = kernels.padded_gather(grad, indices, bin_ids, weights, bins, padded_bins, ctx.top_k)
+        if ctx.needs_input_grad[3]:
+            wgrad = kernels.padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, ctx.top_k)
+        return dgrad, None, None, wgrad, None, None, None
+
+
+def binned_gather(x, indices, bins, bin_size, top_k):
+    return BinnedGatherOp.apply(x, indices, bins, bin_size, top_k)
+
+
+def binned_scatter(x, indices, weights, bins, top_k):
+    return BinnedScatterOp.apply(x, indices, weights, bins, top_k)
+
+
+def gather(x, indices, bin_ids, bins, top_k):
+    return GatherOp.apply(x, indices, bin_ids, bins, top_k)
+
+
+def scatter(x, indices, bin_ids, weights, bins, top_k):
+    return ScatterOp.apply(x, indices, bin_ids, weights, bins, top_k)
+
+
+def padded_gather(x, indices, bin_ids, bins, padded_bins, top_k):
+    return PaddedGatherOp.apply(x, indices, bin_ids, bins, padded_bins, top_k)
+
+
+def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k):
+    return PaddedScatterOp.apply(x, indices, bin_ids, weights, bins, padded_bins, top_k)
+
+
+OPS = {
+    "binned_gather": binned_gather,
+    "binned_scatter": binned_scatter,
+    "gather": gather,
+    "scatter": scatter,
+    "padded_gather": padded_gather,
+    "padded_scatter": padded_scatter,
+}

@@ -1,0 +1,337 @@
+"""The patch registry: every change megablocks-ascend makes to MegaBlocks, and how to undo it.
+
+Each :class:`Patch` names its targets, why it exists, how it works and the upstream change
+that would make it unnecessary (``patches/<name>.md`` says the same at length, and a test keeps
+the two in step). Before replacing anything a patch checks that the upstream symbol still has
+the shape it was written against, and raises :class:`PatchError` if not, rather than patching
+something it does not understand.
+
+:func:`install` applies every patch (a second call is a no-op); :func:`uninstall` puts every
+original object back exactly (``is``-identical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import sys
+from typing import Any, Callable
+
+import torch
+
+
+class PatchError(RuntimeError):
+    """An upstream symbol a patch relies on is missing or has changed shape."""
+
+
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class Patch:
+    name: str
+    targets: tuple[str, ...]
+    why: str
+    how: str
+    upstream_fix: str
+    apply: Callable[["Patch"], None]
+    originals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    applied: bool = False
+
+    def replace(self, target: str, new: Any) -> None:
+        """Set ``target`` (``package.module.attr`` or ``package.module:Class.attr``) to ``new``."""
+        owner, attr = _owner(target)
+        if target not in self.originals:
+            self.originals[target] = owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) \
+                else getattr(owner, attr, _MISSING)
+        setattr(owner, attr, new)
+
+    def set_module(self, name: str, module: Any) -> None:
+        key = f"sys.modules[{name!r}]"
+        if key not in self.originals:
+            self.originals[key] = sys.modules.get(name, _MISSING)
+        sys.modules[name] = module
+
+    def revert(self) -> None:
+        for target, original in reversed(list(self.originals.items())):
+            if target.startswith("sys.modules["):
+                name = target[len("sys.modules['"):-2]
+                if original is _MISSING:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = original
+                continue
+            owner, attr = _owner(target)
+            if original is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self.originals.clear()
+        self.applied = False
+
+
+def _owner(target: str):
+    if ":" in target:
+        module_name, path = target.split(":")
+        owner = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for p in parents:
+            owner = getattr(owner, p)
+        return owner, attr
+    module_name, attr = target.rsplit(".", 1)
+    return importlib.import_module(module_name), attr
+
+
+def _expect_params(target: str, fn: Any, params: tuple[str, ...]) -> None:
+    try:
+        found = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as e:
+        raise PatchError(f"{target}: cannot read its signature ({e})") from e
+    if found != params:
+        raise PatchError(
+            f"{target} has parameters {found}, but megablocks-ascend was written against {params}; "
+            "this MegaBlocks version is not supported by this megablocks-ascend version")
+
+
+def _absent(module: str) -> bool:
+    if module in sys.modules:
+        return False
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+# ------------------------------------------------------------------------------------------
+# The patches.
+
+
+def _apply_megablocks_ops(p: Patch) -> None:
+    from megablocks_ascend.native import megablocks_ops  # noqa: PLC0415
+    if _absent("megablocks_ops"):
+        p.set_module("megablocks_ops", megablocks_ops)
+
+
+def _apply_grouped_gemm(p: Patch) -> None:
+    from megablocks_ascend.native import grouped_gemm  # noqa: PLC0415
+    if not _absent("grouped_gemm") and not getattr(sys.modules.get("grouped_gemm"),
+                                                   "__megablocks_ascend_standin__", False):
+        return  # the real package is installed: leave it alone
+    modules = sys.modules.get("grouped_gemm")
+    if modules is None:
+        modules = grouped_gemm.make_modules()
+        for name, module in modules.items():
+            p.set_module(name, module)
+    # MegaBlocks decided at its import whether grouped_gemm exists; if that import came first,
+    # correct what it recorded.
+    if "megablocks.grouped_gemm_util" in sys.modules:
+        gg = sys.modules["megablocks.grouped_gemm_util"]
+        for attr in ("_grouped_gemm_is_available", "backend", "ops"):
+            if not hasattr(gg, attr):
+                raise PatchError(f"megablocks.grouped_gemm_util.{attr} is missing")
+        if not gg._grouped_gemm_is_available:
+            top = sys.modules["grouped_gemm"]
+            p.replace("megablocks.grouped_gemm_util._grouped_gemm_is_available", True)
+            p.replace("megablocks.grouped_gemm_util.backend", top.backend)
+            p.replace("megablocks.grouped_gemm_util.ops", top.ops)
+
+
+def default_device() -> torch.device | int:
+    """The device ``Arguments`` uses when none is given: the current NPU, else CUDA's
+    current device (upstream's default), else the CPU."""
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return torch.device("npu", npu.current_device())
+    if torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return torch.device("cpu")
+
+
+def _apply_arguments_device(p: Patch) -> None:
+    from megablocks.layers.arguments import Arguments  # noqa: PLC0415
+    fields = {f.name: f for f in dataclasses.fields(Arguments)}
+    if "device" not in fields or fields["device"].default_factory is not torch.cuda.current_device:
+        raise PatchError("megablocks.layers.arguments.Arguments.device no longer defaults to "
+                         "torch.cuda.current_device")
+    original = Arguments.__init__
+    names = list(inspect.signature(original).parameters)[1:]
+    position = names.index("device")
+
+    def __init__(self, *args, **kwargs):
+        if len(args) <= position and "device" not in kwargs:
+            kwargs["device"] = default_device()
+        original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    __init__.__signature__ = inspect.signature(original)
+    p.replace("megablocks.layers.arguments:Arguments.__init__", __init__)
+
+
+def _apply_autocast(p: Patch) -> None:
+    from megablocks_ascend import autocast  # noqa: PLC0415
+    target = "megablocks.layers.common.cast_if_autocast_enabled"
+    owner, attr = _owner(target)
+    _expect_params(target, getattr(owner, attr), ("tensor",))
+    p.replace(target, autocast.cast_if_autocast_enabled)
+    for cls_target in AUTOCAST_FUNCTIONS:
+        module_name, cls_name = cls_target.split(":")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        for method, wrap in (("forward", autocast.custom_fwd), ("backward", autocast.custom_bwd)):
+            sm = cls.__dict__.get(method)
+            inner = getattr(getattr(sm, "__func__", None), "__wrapped__", None)
+            if not isinstance(sm, staticmethod) or inner is None:
+                raise PatchError(f"{cls_target}.{method} is no longer a staticmethod wrapped by "
+                                 "torch.amp.custom_fwd/custom_bwd")
+            p.replace(f"{cls_target}.{method}", staticmethod(wrap(inner)))
+
+
+AUTOCAST_FUNCTIONS = (
+    "megablocks.layers.mlp:ScaleGradient",
+    "megablocks.layers.mlp:MemoryOptimizedMLP",
+    "megablocks.layers.mlp:MemoryOptimizedGroupedMLP",
+    "megablocks.layers.glu:MemoryOptimizedGroupedGLU",
+)
+
+
+def _apply_kernels(p: Patch) -> None:
+    from megablocks_ascend import backends  # noqa: PLC0415
+    import megablocks.backend.kernels as upstream  # noqa: PLC0415
+    for name, dispatcher in backends.KERNELS.items():
+        target = f"megablocks.backend.kernels.{name}"
+        current = getattr(upstream, name, None)
+        if current is None:
+            raise PatchError(f"{target} is missing")
+        if not getattr(current, "__megablocks_ascend__", False):
+            _expect_params(target, current, backends.SPECS[name][0])
+            backends.UPSTREAM[name] = current
+        p.replace(target, dispatcher)
+
+
+def _apply_ops(p: Patch) -> None:
+    from megablocks_ascend import ops  # noqa: PLC0415
+    import megablocks.ops as upstream  # noqa: PLC0415
+    for name, fn in ops.OPS.items():
+        target = f"megablocks.ops.{name}"
+        current = getattr(upstream, name, None)
+        if current is None:
+            raise PatchError(f"{target} is missing")
+        expected = tuple(inspect.signature(fn).parameters)
+        if hasattr(current, "__self__") and isinstance(current.__self__, type):  # Function.apply
+            _expect_params(target, current.__self__.forward, ("ctx",) + expected)
+        else:
+            _expect_params(target, current, expected)
+        p.replace(target, fn)
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="megablocks-ops-extension",
+        targets=("sys.modules['megablocks_ops']",),
+        why="megablocks/ops/{sort,histogram,cumsum,replicate,topology}.py import the CUDA extension "
+            "megablocks_ops at import time, so `import megablocks` fails wherever it was not built.",
+        how="When megablocks_ops cannot be found, a device-agnostic PyTorch module with the same "
+            "functions (megablocks_ascend.native.megablocks_ops) is registered under that name.",
+        upstream_fix="Import megablocks_ops lazily and fall back to PyTorch implementations off CUDA.",
+        apply=_apply_megablocks_ops,
+    ),
+    Patch(
+        name="grouped-gemm",
+        targets=("sys.modules['grouped_gemm']", "megablocks.grouped_gemm_util._grouped_gemm_is_available",
+                 "megablocks.grouped_gemm_util.backend", "megablocks.grouped_gemm_util.ops"),
+        why="dMoE with mlp_impl='grouped' asserts that grouped_gemm (a CUDA-only package) is installed.",
+        how="When grouped_gemm is not installed, megablocks_ascend.native.grouped_gemm is registered "
+            "as grouped_gemm (npu_grouped_matmul on NPU, torch._grouped_mm on CUDA, a loop elsewhere); "
+            "if MegaBlocks was imported first, grouped_gemm_util's availability flag and modules are "
+            "corrected too. An installed grouped_gemm is left alone.",
+        upstream_fix="Let grouped_gemm_util choose a grouped GEMM per device (e.g. torch._grouped_mm).",
+        apply=_apply_grouped_gemm,
+    ),
+    Patch(
+        name="arguments-device",
+        targets=("megablocks.layers.arguments:Arguments.__init__",),
+        why="Arguments.device defaults to torch.cuda.current_device(), which raises without CUDA.",
+        how="Arguments.__init__ is wrapped: when no device is given it passes default_device() "
+            "(the current NPU, else CUDA's current device as upstream, else the CPU).",
+        upstream_fix="A device-neutral default for Arguments.device (e.g. torch.get_default_device()).",
+        apply=_apply_arguments_device,
+    ),
+    Patch(
+        name="autocast-device",
+        targets=("megablocks.layers.common.cast_if_autocast_enabled",)
+        + tuple(f"{c}.{m}" for c in AUTOCAST_FUNCTIONS for m in ("forward", "backward")),
+        why="common.cast_if_autocast_enabled raises NotImplementedError for NPU tensors under "
+            "autocast, and the memory-optimized MLPs use torch.amp.custom_fwd(device_type='cuda'), "
+            "so on other devices they ignore the caller's autocast state.",
+        how="cast_if_autocast_enabled is replaced by a version that asks autocast about the "
+            "tensor's own device type; the four custom autograd functions are re-wrapped with "
+            "decorators that take the device type from their inputs.",
+        upstream_fix="Use torch.is_autocast_enabled(x.device.type) and pass the device type through.",
+        apply=_apply_autocast,
+    ),
+    Patch(
+        name="routing-kernels",
+        targets=tuple(f"megablocks.backend.kernels.{n}" for n in (
+            "binned_gather", "binned_scatter", "binned_scatter_wgrad", "gather", "scatter",
+            "scatter_wgrad", "padded_gather", "padded_scatter", "padded_scatter_wgrad")),
+        why="MegaBlocks' routing kernels are written for CUDA GPUs: one program per row, and "
+            "scatters that go through a [tokens, top_k, hidden] temporary.",
+        how="Each function is replaced by a dispatcher that validates its inputs and hands them to "
+            "the backend MEGABLOCKS_BACKEND selects: our Triton kernels (ascend), upstream's own "
+            "function (cuda), or plain PyTorch (torch).",
+        upstream_fix="A backend registry in megablocks.backend that plugins can register kernels with.",
+        apply=_apply_kernels,
+    ),
+    Patch(
+        name="routing-ops",
+        targets=tuple(f"megablocks.ops.{n}" for n in (
+            "binned_gather", "binned_scatter", "gather", "scatter", "padded_gather", "padded_scatter")),
+        why="Upstream's autograd wrappers use stk's autocast decorators, which assume CUDA.",
+        how="Each op is replaced by an autograd Function with upstream's forward and backward that "
+            "calls the dispatched kernels and handles autocast for the tensors' own device.",
+        upstream_fix="Device-aware autocast decorators in megablocks.ops.",
+        apply=_apply_ops,
+    ),
+)
+
+_STANDINS = ("megablocks-ops-extension", "grouped-gemm")
+_installed = False
+
+
+def install() -> None:
+    """Apply every patch. Idempotent: a second call changes nothing."""
+    global _installed
+    if _installed:
+        return
+    done = []
+    try:
+        for patch in PATCHES:
+            if patch.name not in _STANDINS and importlib.util.find_spec("megablocks") is None:
+                raise PatchError("MegaBlocks is not installed (pip install --no-deps megablocks==0.10.0; "
+                                 "see the README)")
+            patch.apply(patch)
+            patch.applied = True
+            done.append(patch)
+    except BaseException:
+        for patch in reversed(done):
+            patch.revert()
+        raise
+    _installed = True
+
+
+def uninstall() -> None:
+    """Undo every patch, restoring each original object exactly."""
+    global _installed
+    for patch in reversed(PATCHES):
+        patch.revert()
+    _installed = False
+
+
+def installed() -> bool:
+    return _installed
+
+
+def applied_targets() -> dict[str, list[str]]:
+    """For each patch, the targets it actually replaced in this process."""
+    return {p.name: list(p.originals) for p in PATCHES}

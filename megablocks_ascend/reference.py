@@ -1,0 +1,107 @@
+"""The ``torch`` backend: MegaBlocks' routing kernels in plain PyTorch, on any device.
+
+Same signatures and results as ``megablocks.backend.kernels``; written independently of
+the Triton kernels (whole-tensor indexing instead of tiles), so each checks the other.
+Scaling and reductions are done in float32 and cast once, like the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def slot_rows(indices, bins, segment_ends):
+    """For each assignment slot, its row in the expert-major buffer, or -1 where dropped.
+
+    ``segment_ends[e]``: the end of expert ``e``'s row segment (``bins`` itself for dropless,
+    ``padded_bins`` for padded, ``(e + 1) * capacity`` for binned).
+    """
+    n = indices.shape[0]
+    device = indices.device
+    bins = bins.long()
+    segment_ends = segment_ends.long()
+    pos = torch.arange(n, device=device)
+    expert = torch.searchsorted(bins, pos, right=True)
+    has_expert = expert < bins.shape[0]
+    e = expert.clamp(max=bins.shape[0] - 1)
+    first = e == 0
+    pos_start = torch.where(first, 0, bins[(e - 1).clamp(min=0)])
+    seg_start = torch.where(first, 0, segment_ends[(e - 1).clamp(min=0)])
+    row = seg_start + (pos - pos_start)
+    keep = has_expert & (row < segment_ends[e])
+    out = torch.full((n,), -1, dtype=torch.long, device=device)
+    out[indices.long()] = torch.where(keep, row, -1)
+    return out
+
+
+def _binned_ends(bins, capacity):
+    return torch.arange(1, bins.shape[0] + 1, device=bins.device) * capacity
+
+
+def _gather(x, indices, weights, rows_of_slots, num_rows, top_k):
+    out = torch.zeros((num_rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    kept = rows_of_slots >= 0
+    slots = torch.nonzero(kept).flatten()
+    values = x[slots // top_k]
+    if weights is not None:
+        values = (values.float() * weights[slots].float()[:, None]).to(x.dtype)
+    out[rows_of_slots[slots]] = values
+    return out
+
+
+def _scatter(y, weights, rows_of_slots, top_k):
+    hidden = y.shape[-1]
+    y = y.reshape(-1, hidden)
+    kept = rows_of_slots >= 0
+    values = torch.where(kept[:, None], y[rows_of_slots.clamp(min=0)].float(), 0.0)
+    if weights is not None:
+        values = values * weights.float()[:, None]
+    return values.view(-1, top_k, hidden).sum(dim=1).to(y.dtype)
+
+
+def _wgrad(y, grad, rows_of_slots, top_k):
+    hidden = y.shape[-1]
+    y = y.reshape(-1, hidden)
+    kept = rows_of_slots >= 0
+    slots = torch.arange(rows_of_slots.shape[0], device=y.device)
+    dots = (y[rows_of_slots.clamp(min=0)].float() * grad[slots // top_k].float()).sum(dim=1)
+    return torch.where(kept, dots, 0.0).to(y.dtype)
+
+
+def binned_gather(x, indices, weights, bins, expert_capacity, top_k):
+    rows = slot_rows(indices, bins, _binned_ends(bins, expert_capacity))
+    out = _gather(x, indices, weights, rows, bins.shape[0] * expert_capacity, top_k)
+    return out.view(bins.shape[0], expert_capacity, x.shape[1])
+
+
+def binned_scatter(x, indices, weights, bins, top_k):
+    return _scatter(x, weights, slot_rows(indices, bins, _binned_ends(bins, x.shape[1])), top_k)
+
+
+def binned_scatter_wgrad(x, grad, indices, bins, top_k):
+    return _wgrad(x, grad, slot_rows(indices, bins, _binned_ends(bins, x.shape[1])), top_k)
+
+
+def gather(x, indices, bin_ids, weights, bins, top_k):
+    return _gather(x, indices, weights, slot_rows(indices, bins, bins), indices.shape[0], top_k)
+
+
+def scatter(x, indices, bin_ids, weights, bins, top_k):
+    return _scatter(x, weights, slot_rows(indices, bins, bins), top_k)
+
+
+def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k):
+    return _wgrad(x, grad, slot_rows(indices, bins, bins), top_k)
+
+
+def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k):
+    num_rows = int(padded_bins[-1].item())
+    return _gather(x, indices, weights, slot_rows(indices, bins, padded_bins), num_rows, top_k)
+
+
+def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k):
+    return _scatter(x, weights, slot_rows(indices, bins, padded_bins), top_k)
+
+
+def padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k):
+    return _wgrad(x, grad, slot_rows(indices, bins, padded_bins), top_k)
