@@ -1,0 +1,240 @@
+"""Registration, the backend toggle, and the patch registry."""
+
+import importlib
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+import megablocks
+import megablocks.backend.kernels as upstream_kernels
+import megablocks.ops as upstream_ops
+import megablocks_ascend
+from megablocks.layers.arguments import Arguments
+from megablocks_ascend import backends, ops, patching
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _routing(tokens=6, experts=3, top_k=2):
+    top = torch.randint(0, experts, (tokens * top_k,), dtype=torch.int32)
+    bin_ids, indices = torch.sort(top, stable=True)
+    bins = torch.cumsum(torch.bincount(top, minlength=experts), 0).int()
+    return indices.int(), bin_ids.int(), bins
+
+
+def _run_python(code, env_drop=(), **env):
+    environ = {k: v for k, v in os.environ.items() if k not in env_drop}
+    environ.update(env)
+    environ["PYTHONPATH"] = str(ROOT) + os.pathsep + environ.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=environ, cwd=ROOT, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend selection and the routing record.
+
+
+@pytest.mark.parametrize("backend", ["ascend", "torch"])
+def test_env_var_selects_backend(monkeypatch, backend):
+    monkeypatch.setenv("MEGABLOCKS_BACKEND", backend)
+    x = torch.randn(6, 8)
+    indices, bin_ids, bins = _routing()
+    with megablocks_ascend.trace() as calls:
+        megablocks.ops.gather(x, indices, bin_ids, bins, 2)
+        upstream_kernels.binned_gather(x, indices, None, bins, 4, 2)
+    assert [(c.op, c.backend, c.device) for c in calls] == [
+        ("gather", backend, "cpu"), ("binned_gather", backend, "cpu")]
+    assert megablocks_ascend.last_backend("binned_gather") == backend
+
+
+def test_auto_serves_cpu_tensors_with_torch(monkeypatch):
+    monkeypatch.delenv("MEGABLOCKS_BACKEND", raising=False)
+    assert megablocks_ascend.resolve(torch.device("cpu")) == "torch"
+    assert megablocks_ascend.resolve(torch.device("cuda", 0)) == "cuda"
+
+
+def test_auto_sends_npu_tensors_to_ascend_or_says_why(monkeypatch):
+    monkeypatch.delenv("MEGABLOCKS_BACKEND", raising=False)
+    npu = types.SimpleNamespace(type="npu", index=0)  # torch.device("npu") needs torch_npu
+    monkeypatch.setattr(megablocks_ascend.compat, "is_triton_ascend", lambda: True)
+    assert megablocks_ascend.resolve(npu) == "ascend"
+    monkeypatch.setattr(megablocks_ascend.compat, "is_triton_ascend", lambda: False)
+    with pytest.raises(megablocks_ascend.BackendUnavailable, match="triton-ascend"):
+        megablocks_ascend.resolve(npu)
+
+
+def test_use_backend_overrides_env_and_nests(monkeypatch):
+    monkeypatch.setenv("MEGABLOCKS_BACKEND", "torch")
+    with megablocks_ascend.use_backend("ascend"):
+        assert megablocks_ascend.requested() == "ascend"
+        with megablocks_ascend.use_backend("auto"):
+            assert megablocks_ascend.requested() == "auto"
+        assert megablocks_ascend.requested() == "ascend"
+    assert megablocks_ascend.requested() == "torch"
+
+
+def test_unknown_backend_is_rejected_with_the_valid_values(monkeypatch):
+    monkeypatch.setenv("MEGABLOCKS_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="auto, ascend, cuda, torch"):
+        megablocks_ascend.requested()
+    with pytest.raises(ValueError, match="valid values"):
+        with megablocks_ascend.use_backend("npu"):
+            pass
+
+
+def test_cuda_backend_on_cpu_tensors_is_a_clear_error_and_runs_nothing():
+    x = torch.randn(6, 8)
+    indices, bin_ids, bins = _routing()
+    before = x.clone()
+    with megablocks_ascend.use_backend("cuda"), megablocks_ascend.trace() as calls:
+        with pytest.raises(megablocks_ascend.BackendUnavailable, match="MEGABLOCKS_BACKEND=ascend"):
+            megablocks.ops.gather(x, indices, bin_ids, bins, 2)
+    assert calls == []
+    assert torch.equal(x, before)
+
+
+def test_ascend_on_cpu_without_the_interpreter_says_what_to_set():
+    r = _run_python("""
+        import triton  # imported before the plugin, without TRITON_INTERPRET
+        import torch, megablocks_ascend, megablocks
+        top = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
+        bin_ids, indices = torch.sort(top, stable=True)
+        bins = torch.tensor([2, 4], dtype=torch.int32)
+        with megablocks_ascend.use_backend("ascend"):
+            megablocks.ops.gather(torch.randn(4, 8), indices.int(), bin_ids.int(), bins, 1)
+    """, env_drop=("TRITON_INTERPRET",))
+    assert r.returncode != 0
+    assert "BackendUnavailable" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+
+
+def test_fresh_process_cpu_machine_runs_ascend_without_any_setting():
+    r = _run_python("""
+        import os, torch, megablocks_ascend
+        assert os.environ["TRITON_INTERPRET"] == "1"
+        from megablocks.layers.arguments import Arguments
+        from megablocks.layers.dmoe import dMoE
+        args = Arguments(hidden_size=16, ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2,
+                         mlp_impl="grouped", fp16=False, bf16=False)
+        with megablocks_ascend.use_backend("ascend"), megablocks_ascend.trace() as calls:
+            out, bias = dMoE(args)(torch.randn(4, 2, 16))
+        print(sorted({(c.op, c.backend) for c in calls}))
+    """, env_drop=("TRITON_INTERPRET", "MEGABLOCKS_BACKEND"))
+    assert r.returncode == 0, r.stderr
+    assert "('gather', 'ascend')" in r.stdout and "('scatter', 'ascend')" in r.stdout
+
+
+def test_megablocks_imported_first_fails_then_plugin_repairs_it():
+    r = _run_python("""
+        try:
+            import megablocks
+        except ModuleNotFoundError as e:
+            print("upstream alone:", e)
+        import megablocks_ascend
+        import megablocks
+        from megablocks import grouped_gemm_util
+        assert grouped_gemm_util.grouped_gemm_is_available()
+        from megablocks.layers.arguments import Arguments
+        Arguments(hidden_size=8, ffn_hidden_size=8, mlp_impl="grouped", fp16=False)
+        print("repaired")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "upstream alone: No module named 'megablocks_ops'" in r.stdout
+    assert "repaired" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Patches: install, uninstall, shape checks, documentation.
+
+
+def _targets_now():
+    return {
+        "kernels": {n: getattr(upstream_kernels, n) for n in backends.SPECS},
+        "ops": {n: getattr(upstream_ops, n) for n in ops.OPS},
+        "init": Arguments.__dict__["__init__"],
+    }
+
+
+def test_install_is_idempotent():
+    before = _targets_now()
+    patching.install()
+    patching.install()
+    assert _targets_now() == before
+    assert all(getattr(f, "__megablocks_ascend__", False) for f in before["kernels"].values())
+    assert before["ops"] == ops.OPS
+
+
+def test_uninstall_restores_every_original_exactly_and_install_comes_back():
+    patched = _targets_now()
+    originals = {p.name: dict(p.originals) for p in patching.PATCHES}
+    try:
+        patching.uninstall()
+        assert not patching.installed()
+        for name in backends.SPECS:
+            assert getattr(upstream_kernels, name) is backends.UPSTREAM[name]
+        assert upstream_ops.binned_gather is importlib.import_module("megablocks.ops.binned_gather").binned_gather
+        assert upstream_ops.scatter is importlib.import_module("megablocks.ops.scatter").scatter
+        assert Arguments.__dict__["__init__"] is originals["arguments-device"][
+            "megablocks.layers.arguments:Arguments.__init__"]
+        for patch in patching.PATCHES:
+            for target, original in originals[patch.name].items():
+                if target.startswith("sys.modules"):
+                    continue
+                owner, attr = patching._owner(target)
+                now = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+                assert now is original, target
+    finally:
+        patching.install()
+    now = _targets_now()
+    assert now["kernels"] == patched["kernels"] and now["ops"] == patched["ops"]
+    assert now["init"].__wrapped__ is patched["init"].__wrapped__
+
+
+def test_patch_refuses_an_upstream_function_whose_signature_changed(monkeypatch):
+    patching.uninstall()
+    try:
+        def binned_gather(x, indices, weights, bins, capacity, top_k, extra=None):  # changed shape
+            raise AssertionError("must not be called")
+        monkeypatch.setattr(upstream_kernels, "binned_gather", binned_gather)
+        backends.UPSTREAM.pop("binned_gather", None)
+        with pytest.raises(patching.PatchError, match="binned_gather"):
+            patching.install()
+        assert not patching.installed()
+        assert upstream_kernels.binned_gather is binned_gather  # nothing left half-patched
+        assert not getattr(upstream_kernels.gather, "__megablocks_ascend__", False)
+    finally:
+        monkeypatch.undo()
+        backends.UPSTREAM.pop("binned_gather", None)
+        patching.install()
+    assert getattr(upstream_kernels.binned_gather, "__megablocks_ascend__", False)
+
+
+def test_arguments_default_device_is_cpu_here_and_explicit_device_wins():
+    assert Arguments(mlp_impl="grouped").device == torch.device("cpu")
+    assert Arguments(mlp_impl="grouped", device=torch.device("meta")).device == torch.device("meta")
+
+
+def test_cast_if_autocast_enabled_follows_the_tensor_device():
+    from megablocks.layers import common
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert common.cast_if_autocast_enabled(x).dtype == torch.bfloat16
+    assert common.cast_if_autocast_enabled(x).dtype == torch.float32
+
+
+def test_every_patch_is_documented_in_patches_folder():
+    documented = {p.stem for p in (ROOT / "patches").glob("*.md") if p.name != "README.md"}
+    assert documented == {p.name for p in patching.PATCHES}
+    index = (ROOT / "patches" / "README.md").read_text()
+    for patch in patching.PATCHES:
+        text = (ROOT / "patches" / f"{patch.name}.md").read_text()
+        for target in patch.targets:
+            assert target in text, (patch.name, target)
+        for heading in ("## Why", "## How", "## Upstream fix", "## Tests"):
+            assert heading in text, (patch.name, heading)
+        assert f"[{patch.name}]" in index
