@@ -1,0 +1,83 @@
+"""``python -m megablocks_ascend doctor``: what this machine will run, and how to fix what is missing."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import sys
+
+import torch
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def report() -> list[str]:
+    import megablocks_ascend  # noqa: PLC0415
+    from megablocks_ascend import backends, compat, envs, patching  # noqa: PLC0415
+
+    lines = ["versions:"]
+    for dist in ("megablocks-ascend", "torch", "torch_npu", "triton", "triton-ascend", "megablocks",
+                 "stanford-stk", "grouped_gemm"):
+        lines.append(f"  {dist:18} {_version(dist) or '-'}")
+    lines.append(f"  {'python':18} {sys.version.split()[0]}")
+
+    flavour = "triton-ascend" if compat.is_triton_ascend() else "standard triton"
+    interp = compat.interpreter_active()
+    lines += ["", f"triton: {flavour}; interpreter {'on' if interp else 'off'}"]
+
+    npu = getattr(torch, "npu", None)
+    devices = {"cpu": True, "cuda": torch.cuda.is_available(), "npu": bool(npu and npu.is_available())}
+    lines += ["", f"MEGABLOCKS_BACKEND={backends.requested()} (valid: {', '.join(envs.BACKENDS)}); "
+                  f"sync checks {'on' if envs.checks_enabled() else 'off'} ({envs.CHECKS_VAR})",
+              "routing backend per device type:"]
+    fixes = []
+    for dev, present in devices.items():
+        try:
+            chosen = backends.resolve(torch.device(dev) if dev != "npu" else _NpuDevice())
+            why = ""
+        except backends.BackendUnavailable as e:
+            chosen, why = "unavailable", str(e)
+            if present:
+                fixes.append(why)
+        lines.append(f"  {dev:5} {'present' if present else 'absent ':8} -> {chosen}{'  (' + why + ')' if why else ''}")
+
+    lines += ["", f"patches installed: {patching.installed()}"]
+    for patch in patching.PATCHES:
+        replaced = list(patch.originals)
+        lines.append(f"  {patch.name:26} {len(replaced)} target(s) replaced")
+    ops = sys.modules.get("megablocks_ops")
+    lines.append("megablocks_ops: " + ("megablocks-ascend stand-in (PyTorch)" if ops is not None and
+                 ops.__name__.startswith("megablocks_ascend") else "native CUDA extension" if ops else "not loaded"))
+    gg = sys.modules.get("grouped_gemm")
+    lines.append("grouped_gemm: " + ("megablocks-ascend stand-in" if getattr(gg, "__megablocks_ascend_standin__", False)
+                                     else "installed package" if gg else "not loaded"))
+    if importlib.util.find_spec("megablocks") is None:
+        fixes.append("MegaBlocks is not installed: run tools/bootstrap.sh, or "
+                     "pip install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1")
+    if devices["npu"] and not compat.is_triton_ascend():
+        fixes.append("An NPU is present but triton is not triton-ascend: pip install triton-ascend==3.2.0")
+    lines += ["", "to fix:" if fixes else "nothing to fix"] + [f"  - {f}" for f in fixes]
+    del megablocks_ascend
+    return lines
+
+
+class _NpuDevice:
+    """Stands in for torch.device('npu') where torch_npu is not installed (resolve reads .type)."""
+    type = "npu"
+    index = 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+def main(args: argparse.Namespace) -> int:
+    del args
+    print("\n".join(report()))
+    return 0
