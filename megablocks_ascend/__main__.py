@@ -1,0 +1,57 @@
+"""``python -m megablocks_ascend SUBCOMMAND``: the package's command-line tools.
+
+Each subcommand is one entry of :data:`SUBCOMMANDS`: its help line, a function that adds its
+arguments to an argparse parser, and a function that runs it and returns the exit status.
+Add a subcommand (``doctor``, ``selftest``...) by adding an entry; import heavy modules inside
+its functions so that ``--help`` and the other subcommands stay cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, NamedTuple
+
+
+class Subcommand(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _lower_arguments(parser: argparse.ArgumentParser) -> None:
+    from megablocks_ascend import lowering  # noqa: PLC0415
+    lowering.add_arguments(parser)
+
+
+def _lower(args: argparse.Namespace) -> int:
+    from megablocks_ascend import lowering  # noqa: PLC0415
+    return lowering.main(args)
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "lower": Subcommand(
+        "lower every routing kernel with triton-ascend's front end (needs the lowering venv: "
+        "tools/ascend_lowering_env.sh)", _lower_arguments, _lower),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megablocks_ascend")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # lets a subcommand start itself again in a fresh process
+    return SUBCOMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,557 @@
+"""The Ascend compile gate: lower every routing kernel with triton-ascend's front end, on CPU.
+
+``python -m megablocks_ascend lower`` (in the lowering venv made by ``tools/ascend_lowering_env.sh``)
+runs triton-ascend's ``ttir`` and ``ttadapter`` stages for every kernel of
+:mod:`megablocks_ascend.kernels.routing` over a generated list of configurations, and reads the
+resulting Ascend linalg/HIVM IR for the kernel's memory pattern. It stops before ``npubin``
+(``bishengir-compile`` from CANN): see ``docs/notes/ascend-lowering.md`` for what that leaves
+to a real NPU.
+
+Configurations come from one table per kernel (:data:`KERNELS`): the cartesian product of its
+axes (dtype, hidden size and every constexpr the launchers choose), with the tile constexprs
+derived the way the launchers derive them on an NPU (``devices.tile(kind, dtype, hidden, "npu")``).
+A test checks the table against the kernels' signatures and the launchers' keyword arguments,
+so a new kernel or constexpr path cannot be forgotten.
+
+What is counted in the IR (the markers are the ones triton-ascend 3.2.0's adapter emits):
+
+``row_dma``      row copies inside an ``scf.for`` marked ``ExtractedLoadOrStore``: the adapter
+                 splits a 2-D tile access whose row offsets come from an index vector into a loop
+                 over rows, each iteration one contiguous DMA of ``1 x BLOCK_X`` elements: a
+                 ``memref.copy`` for a load (the loop is also marked ``hivm.parallel_loop``), a
+                 ``bufferization.materialize_in_destination`` of a ``tensor<1xN>`` slice for a store.
+                 One op here is one DMA per row per tile. (A store whose mask depends on loaded data
+                 is NOT lowered this way: it becomes element-wise scalar stores, counted below.)
+``scalar_hot``   scalar memory accesses inside the feature-tile loop (the ``scf.for`` whose step
+                 is the constant ``BLOCK_X``), i.e. executed per row (or per element) per feature
+                 tile. A scalar access is a ``memref.load`` / ``memref.store`` of one global-memory
+                 element, a ``bufferization.materialize_in_destination`` of a 1-element tensor (a
+                 scalar store, as the adapter emits for masked discrete stores), or a
+                 ``tensor.extract`` of a vector element that is NOT marked ``DiscreteMemAccess``
+                 (the marked ones read an index to form a DMA or scalar address and are not data
+                 accesses). Each op is counted once, statically, wherever it is nested.
+``scalar_row``   the same scalar accesses outside the feature-tile loop: once per row (a 1-D gather
+                 or scatter such as ``weights[slot]``); they scale with rows, not rows x hidden.
+``int_vec_hot``  vector (``tensor<...>``) ``arith.cmpi`` on i32/i64 and ``arith.addi``/``arith.muli``
+                 on i64 inside the feature-tile loop: triton-ascend's performance guide says A2/A3
+                 vector units run these as scalar code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import itertools
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+TARGET_ARCH = "Ascend910B4"  # an A2-class (910B) device
+VENV_HINT = (
+    "triton-ascend is not installed in this Python environment ({python}). The Ascend compile gate "
+    "needs its own virtualenv, because triton-ascend replaces the `triton` package: create it and run "
+    "the gate with\n\n    tools/ascend_lowering_env.sh\n\n(it makes .venv-ascend in the repository root "
+    "with torch==2.13.0, triton-ascend==3.2.0, pybind11 and numpy, then runs "
+    "`PYTHONPATH=. .venv-ascend/bin/python -m megablocks_ascend lower`)."
+)
+
+# --------------------------------------------------------------------------------------------
+# The configuration table.
+
+DTYPES = {  # name -> (triton signature type, torch dtype attribute, element size)
+    "fp32": ("fp32", "float32", 4),
+    "fp16": ("fp16", "float16", 2),
+    "bf16": ("bf16", "bfloat16", 2),
+}
+HIDDEN_SIZES = (1024, 1000)  # aligned (a multiple of 16 and of BLOCK_X) and not
+TOP_KS = (1, 2)
+BOOLS = (False, True)
+LAYOUTS = (0, 1, 2)  # routing.DROPLESS, PADDED, BINNED
+
+# The representative problem whose sizes fill the scalar arguments (their divisibility by 16
+# specialises the kernel the way the launcher's real call would).
+TOKENS = 4096
+EXPERTS = 8
+PADDED_EXTRA = 8 * 128  # padded_bins[-1] - bins[-1]
+ROUTE_MAP_BLOCK_M = 128  # route_map()'s block_m on a device (it uses 64 only for CPU tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    name: str  # attribute of megablocks_ascend.kernels.routing
+    kind: str | None  # devices.tile / devices.ub_bytes kind; None: no feature tiles
+    axes: dict  # configuration axes: "dtype", "hidden" and the constexprs the launcher chooses
+    derived: tuple  # constexprs derived from the axes (tile sizes, BLOCK_E)
+    data_ptrs: tuple  # pointer arguments of the data dtype (others are int32 index tensors)
+    row_copy: bool  # moves feature rows: gated on scalar_hot == 0
+
+
+KERNELS = (
+    KernelSpec("_gather", "gather",
+               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
+                    SCALE=BOOLS, INT64=BOOLS),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("x", "out", "weights"), True),
+    KernelSpec("_gather_tokens", "gather",
+               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
+                    SCALE=BOOLS, INT64=BOOLS),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("x", "out", "weights"), True),
+    KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False),
+    KernelSpec("_scatter", "scatter",
+               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
+               ("BLOCK_M", "BLOCK_X"), ("y", "out", "weights"), True),
+    KernelSpec("_wgrad", "wgrad",
+               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, INT64=BOOLS),
+               ("BLOCK_M", "BLOCK_X"), ("y", "grad", "out"), True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    kernel: str
+    axes: dict  # the axis values of this configuration
+    constexprs: dict  # every constexpr of the kernel
+    scalars: dict  # the non-constexpr integer arguments
+    ub_bytes: int | None
+
+    @property
+    def label(self) -> str:
+        parts = []
+        for k, v in self.axes.items():
+            if k == "dtype":
+                parts.append(str(v))
+            elif k == "hidden":
+                parts.append(f"H={v}")
+            elif isinstance(v, bool):
+                parts.append(f"{k}={int(v)}")
+            else:
+                parts.append(f"{k}={v}")
+        tiles = [f"{k}={self.constexprs[k]}" for k in ("BLOCK_M", "BLOCK_X") if k in self.constexprs]
+        return " ".join(parts + tiles)
+
+
+def _block_e(num_experts: int) -> int:
+    """``routing._block_e`` (checked by the tests), without importing triton here: the table must be
+    buildable before :class:`Lowerer` has made sure triton compiles rather than interprets."""
+    return max(1 << max(max(num_experts, 1) - 1, 0).bit_length(), 2)
+
+
+def _scalars(spec: KernelSpec, axes: dict) -> dict:
+    top_k = axes.get("TOP_K", 2)
+    n = TOKENS * top_k
+    layout = axes.get("LAYOUT", 0)
+    capacity = n // EXPERTS if layout == 2 else 0
+    num_rows = {0: n, 1: n + PADDED_EXTRA, 2: EXPERTS * capacity}[layout]
+    hidden = axes.get("hidden", 0)
+    if spec.name == "_gather":
+        return dict(num_rows=num_rows, num_positions=n, num_experts=EXPERTS, hidden=hidden, capacity=capacity)
+    if spec.name == "_gather_tokens":
+        return dict(num_tokens=TOKENS, num_rows=num_rows, num_positions=n, num_experts=EXPERTS,
+                    hidden=hidden, capacity=capacity)
+    if spec.name == "_route_map":
+        return dict(num_positions=n, num_experts=EXPERTS, capacity=capacity)
+    if spec.name == "_scatter":
+        return dict(num_tokens=TOKENS, num_rows=n, hidden=hidden)
+    if spec.name == "_wgrad":
+        return dict(num_slots=n, num_rows=n, hidden=hidden)
+    raise KeyError(spec.name)
+
+
+def configs(kernels: Iterable[KernelSpec] = KERNELS) -> list[Config]:
+    """Every configuration of every kernel: the product of its axes, tiles derived as on an NPU."""
+    import torch  # noqa: PLC0415
+
+    from megablocks_ascend import devices  # noqa: PLC0415
+
+    out = []
+    for spec in kernels:
+        names = list(spec.axes)
+        for values in itertools.product(*(spec.axes[n] for n in names)):
+            axes = dict(zip(names, values))
+            constexprs = {k: v for k, v in axes.items() if k not in ("dtype", "hidden")}
+            ub = None
+            if spec.kind is not None:
+                _, torch_name, es = DTYPES[axes["dtype"]]
+                t = devices.tile(spec.kind, getattr(torch, torch_name), axes["hidden"], "npu")
+                constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x)
+                ub = devices.ub_bytes(spec.kind, t.block_m, t.block_x, es)
+            else:
+                constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
+            if "BLOCK_E" in spec.derived:
+                constexprs["BLOCK_E"] = _block_e(EXPERTS)
+            missing = set(spec.derived) - set(constexprs)
+            if missing:
+                raise AssertionError(f"{spec.name}: derived constexprs {sorted(missing)} not computed")
+            out.append(Config(spec.name, axes, constexprs, _scalars(spec, axes), ub))
+    return out
+
+
+def kernel_params(fn: Callable) -> tuple[list[str], list[str]]:
+    """(runtime argument names, constexpr names) of a kernel function, from its signature."""
+    runtime, constexpr = [], []
+    for p in inspect.signature(fn).parameters.values():
+        ann = p.annotation
+        is_const = "constexpr" in (ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann)))
+        (constexpr if is_const else runtime).append(p.name)
+    return runtime, constexpr
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the IR.
+
+
+@dataclasses.dataclass
+class Loop:
+    header: str
+    depth: int
+    attrs: str = ""
+    ops: list = dataclasses.field(default_factory=list)  # lines directly in this loop (not nested loops)
+    children: list = dataclasses.field(default_factory=list)
+    parent: "Loop | None" = None
+
+    def ancestors(self):
+        p = self.parent
+        while p is not None:
+            yield p
+            p = p.parent
+
+    def all_ops(self):
+        yield from self.ops
+        for c in self.children:
+            yield from c.all_ops()
+
+
+_FOR_RE = re.compile(r"=?\s*scf\.for\s+%\S+\s*=\s*(\S+)\s+to\s+(\S+)\s+step\s+(%[\w.]+)")
+_CONST_RE = re.compile(r"^\s*(%[\w.]+)\s*=\s*arith\.constant\s+(-?\d+)\s*:\s*(i\d+|index)\b")
+_SCALAR_ACCESS_RE = re.compile(
+    r"\bmemref\.(load|store)\s"  # one element of global memory
+    r"|\bbufferization\.materialize_in_destination\s.*:\s*\(tensor<(1x)*1x[a-z]"  # a 1-element store
+    r"|\btensor\.extract\s(?!.*\{DiscreteMemAccess\})")  # an element read that is not an address
+# A row copy: a DMA load (memref.copy) or a DMA store of a 1 x N slice (materialize_in_destination).
+_ROW_COPY_RE = re.compile(
+    r"\bmemref\.copy\b"
+    r"|\bbufferization\.materialize_in_destination\s.*:\s*\(tensor<1x(\?|[2-9]|\d\d+)")
+_VEC_INT_RE = re.compile(r"\barith\.(cmpi|addi|muli)\b.*:\s*tensor<[^>]*x(i32|i64)>")
+
+
+def parse_loops(ir: str) -> tuple[list[Loop], dict[str, int]]:
+    """The ``scf.for`` loops of an IR module as a tree (roots returned) and its integer constants."""
+    consts: dict[str, int] = {}
+    roots: list[Loop] = []
+    stack: list[Any] = []  # Loop for scf.for regions, None for other regions
+    for line in ir.splitlines():
+        s = line.strip()
+        m = _CONST_RE.match(line)
+        if m:
+            consts[m.group(1)] = int(m.group(2))
+        closes = s.startswith("}")
+        if closes and stack:
+            region = stack.pop()
+            if isinstance(region, Loop):
+                rest = s[1:].strip()
+                region.attrs = rest
+        current = next((r for r in reversed(stack) if isinstance(r, Loop)), None)
+        if current is not None and not closes:
+            current.ops.append(s)
+        if s.endswith("{"):
+            if "scf.for" in s and not closes:
+                loop = Loop(header=s, depth=len(stack), parent=current)
+                (current.children if current is not None else roots).append(loop)
+                stack.append(loop)
+            else:
+                stack.append(None)
+    return roots, consts
+
+
+def _walk(loops: list[Loop]):
+    for loop in loops:
+        yield loop
+        yield from _walk(loop.children)
+
+
+def _step(loop: Loop, consts: dict[str, int]) -> int | None:
+    m = _FOR_RE.search(loop.header)
+    return consts.get(m.group(3)) if m else None
+
+
+def analyze_ir(ir: str, block_x: int | None = None) -> dict:
+    """Static counts of an Ascend linalg/HIVM module's memory pattern (see the module docstring).
+
+    ``block_x`` identifies the feature-tile loop (step ``BLOCK_X``); without it nothing is "hot".
+    """
+    roots, consts = parse_loops(ir)
+    loops = list(_walk(roots))
+
+    def is_feature_loop(lp: Loop) -> bool:
+        return block_x is not None and "ExtractedLoadOrStore" not in lp.attrs and _step(lp, consts) == block_x
+
+    def in_feature_loop(lp: Loop) -> bool:
+        return is_feature_loop(lp) or any(is_feature_loop(a) for a in lp.ancestors())
+
+    res = dict(row_dma=0, row_dma_hot=0, scalar_hot=0, scalar_row=0, int_vec_hot=0, int_vec=0,
+               discrete_loops=0, parallel_loops=0, feature_loops=0)
+    for lp in loops:
+        hot = in_feature_loop(lp)
+        if is_feature_loop(lp):
+            res["feature_loops"] += 1
+        nested = any("ExtractedLoadOrStore" in a.attrs for a in lp.ancestors())
+        if "ExtractedLoadOrStore" in lp.attrs and not nested:  # an outer one counts its nested loops
+            res["discrete_loops"] += 1
+            if "hivm.parallel_loop" in lp.attrs:
+                res["parallel_loops"] += 1
+            body = list(lp.all_ops())
+            copies = sum(1 for op in body if _ROW_COPY_RE.search(op))
+            if copies:
+                res["row_dma"] += copies
+                if hot:
+                    res["row_dma_hot"] += copies
+            scalars = sum(1 for op in body if _SCALAR_ACCESS_RE.search(op))
+            res["scalar_hot" if hot else "scalar_row"] += scalars
+        for op in lp.ops:
+            if _VEC_INT_RE.search(op):
+                kind, ty = _VEC_INT_RE.search(op).groups()
+                if kind == "cmpi" or ty == "i64":
+                    res["int_vec"] += 1
+                    if hot:
+                        res["int_vec_hot"] += 1
+    # scalar accesses in loops the adapter did not mark (none seen in 3.2.0, but count them)
+    unmarked = 0
+    for lp in loops:
+        if "ExtractedLoadOrStore" in lp.attrs:
+            continue
+        if any("ExtractedLoadOrStore" in a.attrs for a in lp.ancestors()):
+            continue
+        unmarked += sum(1 for op in lp.ops if _SCALAR_ACCESS_RE.search(op))
+        # ... and any loop not marked counts as hot when inside the feature loop
+        if in_feature_loop(lp):
+            res["scalar_hot"] += sum(1 for op in lp.ops if _SCALAR_ACCESS_RE.search(op))
+    res["scalar_unmarked"] = unmarked
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering.
+
+
+class TritonAscendMissing(RuntimeError):
+    pass
+
+
+def have_triton_ascend() -> bool:
+    """Whether the installed ``triton`` is triton-ascend, without importing triton if it is not yet."""
+    try:
+        if "triton" in sys.modules:
+            return importlib.util.find_spec("triton.backends.ascend") is not None
+        spec = importlib.util.find_spec("triton")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(p) / "backends" / "ascend" / "compiler.py").is_file()
+               for p in spec.submodule_search_locations)
+
+
+def require_triton_ascend() -> None:
+    if not have_triton_ascend():
+        raise TritonAscendMissing(VENV_HINT.format(python=sys.executable))
+
+
+def _prepare_triton() -> None:
+    """Make sure ``triton.jit`` compiles rather than interprets in this process."""
+    if "triton" not in sys.modules:
+        # megablocks_ascend/__init__ switches the interpreter on when nothing imported triton yet;
+        # the lowering gate never wants it ("0" also stops __init__ from setting it).
+        os.environ["TRITON_INTERPRET"] = "0"
+        return
+    from megablocks_ascend import compat  # noqa: PLC0415
+    if compat.interpreter_active():
+        raise InterpreterOn(
+            "triton was imported with TRITON_INTERPRET=1 before the lowering gate ran, so its kernels "
+            "are interpreted and cannot be lowered; run it as `TRITON_INTERPRET=0 python -m "
+            "megablocks_ascend lower`")
+
+
+class InterpreterOn(RuntimeError):
+    pass
+
+
+class _Ptr:
+    """Stands in for a tensor argument: 16-byte aligned, as torch allocations are."""
+
+    def data_ptr(self) -> int:
+        return 1 << 20
+
+
+def _signature(spec: KernelSpec, cfg: Config, runtime: list[str]) -> tuple[dict, dict]:
+    sig, values = {}, {}
+    for name in runtime:
+        if name in cfg.scalars:
+            sig[name] = "i32"
+            values[name] = cfg.scalars[name]
+        elif name in spec.data_ptrs:
+            sig[name] = "*" + DTYPES[cfg.axes["dtype"]][0]
+            values[name] = _Ptr()
+        else:
+            sig[name] = "*i32"
+            values[name] = _Ptr()
+    return sig, values
+
+
+class Lowerer:
+    def __init__(self, arch: str = TARGET_ARCH):
+        require_triton_ascend()  # does not import triton
+        _prepare_triton()  # before anything imports triton
+        from triton.backends.ascend.compiler import AscendBackend  # noqa: PLC0415
+        from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+        self.target = GPUTarget("npu", arch, 0)
+        self.backend = AscendBackend(self.target)
+
+    def lower(self, spec: KernelSpec, cfg: Config) -> tuple[str, str]:
+        """(TTIR, Ascend linalg/HIVM IR) of one configuration."""
+        from triton._C.libtriton import ir  # noqa: PLC0415
+        from triton.compiler.compiler import ASTSource  # noqa: PLC0415
+
+        from megablocks_ascend.kernels import routing  # noqa: PLC0415
+        jit = getattr(routing, spec.name).jit
+        runtime, constexpr = kernel_params(getattr(routing, spec.name).fn)
+        sig, values = _signature(spec, cfg, runtime)
+        for name in constexpr:
+            sig[name] = "constexpr"
+        attrs = self.backend.get_attrs_descriptor(
+            jit.params, [values[p.name] if p.name in values else cfg.constexprs[p.name] for p in jit.params])
+        constants = dict(cfg.constexprs)
+        for num in attrs.get_constants():  # scalar arguments equal to 1 become constants
+            if jit.params[num].name in values:
+                constants[jit.params[num].name] = values[jit.params[num].name]
+        src = ASTSource(jit, sig, constants, attrs)
+        options = self.backend.parse_options({})
+        metadata = {"hash": f"gate-{spec.name}", "target": self.target, **options.__dict__}
+        stages: dict = {}
+        self.backend.add_stages(stages, options)
+        context = ir.context()
+        ir.load_dialects(context)
+        self.backend.load_dialects(context)
+        module = src.make_ir(options, self.backend.get_codegen_implementation(),
+                             self.backend.get_module_map(), context)
+        module = stages["ttir"](module, metadata)
+        ttir = str(module)
+        return ttir, stages["ttadapter"](module, metadata)
+
+
+def _error_text(exc: BaseException) -> str:
+    stderr = getattr(exc, "stderr", None)
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode("utf-8", "replace")
+    text = f"{type(exc).__name__}: {exc}"
+    if stderr:
+        text += "\n" + stderr
+    return text.strip()
+
+
+def run(kernels: Iterable[KernelSpec] = KERNELS, *, dump: str | None = None,
+        lowerer: Lowerer | None = None, only: str | None = None) -> list[dict]:
+    """Lower every configuration; one result dict per configuration."""
+    lowerer = lowerer or Lowerer()
+    specs = {s.name: s for s in kernels}
+    results = []
+    for cfg in configs(specs.values()):
+        spec = specs[cfg.kernel]
+        if only and only not in cfg.kernel:
+            continue
+        row = dict(kernel=cfg.kernel, config=cfg.label, axes=cfg.axes, constexprs=cfg.constexprs,
+                   ub_bytes=cfg.ub_bytes, row_copy=spec.row_copy)
+        t0 = time.perf_counter()
+        try:
+            ttir, linalg = lowerer.lower(spec, cfg)
+        except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
+            row.update(status="FAIL", error=_error_text(exc))
+        else:
+            counts = analyze_ir(linalg, cfg.constexprs.get("BLOCK_X"))
+            row.update(counts)
+            problems = []
+            if spec.row_copy and counts["scalar_hot"] > 0:
+                problems.append(f"{counts['scalar_hot']} scalar accesses in the feature-tile loop")
+            if spec.row_copy and counts["row_dma"] == 0:
+                problems.append("no per-row DMA: the row tiles did not lower to row copies")
+            if spec.kind is not None and cfg.ub_bytes is not None:
+                from megablocks_ascend import devices  # noqa: PLC0415
+                if cfg.ub_bytes > devices.UB_BYTES - devices.UB_RESERVE:
+                    problems.append(f"UB estimate {cfg.ub_bytes} over budget")
+            row.update(status="FAIL" if problems else "ok", error="; ".join(problems))
+            if dump:
+                d = Path(dump)
+                d.mkdir(parents=True, exist_ok=True)
+                stem = f"{cfg.kernel}__" + re.sub(r"[^\w=.-]+", "_", cfg.label)
+                (d / f"{stem}.ttir.mlir").write_text(ttir)
+                (d / f"{stem}.ttadapter.mlir").write_text(linalg)
+        row["seconds"] = round(time.perf_counter() - t0, 3)
+        results.append(row)
+    return results
+
+
+COLUMNS = (("kernel", "kernel"), ("config", "configuration"), ("status", "status"),
+           ("row_dma", "row DMA"), ("scalar_hot", "scalar/hot"), ("scalar_row", "scalar/row"),
+           ("int_vec_hot", "int-vec/hot"), ("ub_bytes", "UB bytes"))
+
+
+def format_table(results: list[dict]) -> str:
+    """The report: one line per configuration, error details after the table, ``lowered: N/M`` last."""
+    rows = [[("-" if r.get(k) is None else str(r.get(k))) for k, _ in COLUMNS] for r in results]
+    head = [h for _, h in COLUMNS]
+    widths = [max([len(head[i])] + [len(row[i]) for row in rows]) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    failures = [r for r in results if r["status"] != "ok"]
+    if failures:  # one line per kernel and distinct error, with the first configuration that hit it
+        groups: dict = {}
+        for r in failures:
+            first = (r.get("error") or "").strip().splitlines()
+            groups.setdefault((r["kernel"], first[-1] if first else "?"), []).append(r["config"])
+        lines.append("")
+        lines.append("failures:")
+        for (kernel, error), cfgs in groups.items():
+            more = f" (+{len(cfgs) - 1} more)" if len(cfgs) > 1 else ""
+            lines.append(f"  {kernel} [{cfgs[0]}]{more}: {error}")
+    ok = sum(1 for r in results if r["status"] == "ok")
+    lines.append(f"lowered: {ok}/{len(results)}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """The ``lower`` subcommand; ``args`` has ``json``, ``dump``, ``only`` and ``arch``."""
+    try:
+        lowerer = Lowerer(args.arch)
+    except TritonAscendMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except InterpreterOn as exc:
+        if os.environ.get("_MEGABLOCKS_ASCEND_LOWER_REEXEC") or not getattr(args, "argv", None):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        # Something imported triton in interpreter mode first (megablocks_ascend/__init__ does on a
+        # machine without devices): start again in a process where TRITON_INTERPRET=0 from the outset.
+        import subprocess  # noqa: PLC0415
+        env = dict(os.environ, TRITON_INTERPRET="0", _MEGABLOCKS_ASCEND_LOWER_REEXEC="1")
+        return subprocess.call([sys.executable, "-m", "megablocks_ascend", *args.argv], env=env)
+    results = run(dump=args.dump, lowerer=lowerer, only=args.only)
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(target=args.arch, results=results), indent=1, default=str))
+    failed = [r for r in results if r["status"] != "ok"]
+    seen = set()  # full error text, once per distinct error, on stderr
+    for r in failed:
+        if r.get("error") and r["error"] not in seen:
+            seen.add(r["error"])
+            print(f"\n--- {r['kernel']} [{r['config']}]\n{r['error']}", file=sys.stderr)
+    return 1 if failed or not results else 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--dump", metavar="DIR", help="write each configuration's TTIR and Ascend IR")
+    parser.add_argument("--only", metavar="NAME", help="only kernels whose name contains NAME")
+    parser.add_argument("--arch", default=TARGET_ARCH, help=f"Ascend target (default {TARGET_ARCH})")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create (idempotently) the lowering virtualenv `.venv-ascend` in the repo root and run the
+# Ascend compile gate in it: `python -m megablocks_ascend lower`.
+#
+# triton-ascend installs its own `triton` package, so it cannot share the project venv
+# (`.venv`, standard triton). Pinned set, verified together (docs/notes/ascend-lowering.md):
+#   torch==2.13.0 (CPU wheel), triton-ascend==3.2.0, pybind11 (imported by triton-ascend), numpy.
+# MegaBlocks is deliberately NOT installed here: the gate lowers our kernels only.
+#
+# Usage: tools/ascend_lowering_env.sh [extra args for `lower`, e.g. --json out.json --dump ir/]
+# Env:   PYTHON (default python3)   ASCEND_VENV (default <repo>/.venv-ascend)
+#        ASCEND_LOWER_SKIP_RUN=1 only sets the venv up.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${ASCEND_VENV:-$ROOT/.venv-ascend}"
+PYTHON="${PYTHON:-python3}"
+REQS=(torch==2.13.0 triton-ascend==3.2.0 pybind11 numpy)
+STAMP="$VENV/.megablocks-ascend-reqs"
+WANT="${REQS[*]}"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "ascend_lowering_env: creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
+    echo "ascend_lowering_env: installing ${REQS[*]}" >&2
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${REQS[@]}"
+    # Fail here, not in the gate, if triton-ascend's triton was replaced by another triton.
+    "$VENV/bin/python" -c "import triton.backends.ascend.compiler" >/dev/null
+    echo "$WANT" > "$STAMP"
+else
+    echo "ascend_lowering_env: $VENV is up to date" >&2
+fi
+
+if [[ "${ASCEND_LOWER_SKIP_RUN:-0}" == "1" ]]; then
+    exit 0
+fi
+cd "$ROOT"
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV/bin/python" -m megablocks_ascend lower "$@"
