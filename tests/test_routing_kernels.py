@@ -1,0 +1,406 @@
+"""The nine routing kernel functions against an independent float64 reference and upstream.
+
+For every kernel function of the three families (binned, dropless, padded) and both of our
+implementations ('ascend': ``megablocks_ascend.kernels.routing`` run by the Triton
+interpreter; 'torch': ``megablocks_ascend.reference``), each case is compared with
+``tests/reference_impl.py`` (float64 loops written from the seed's definitions) and with
+upstream MegaBlocks' own kernel on the same inputs (``upstream_kernels``, also interpreted).
+
+What is asserted, by kind:
+* gathers: bit-exact against upstream and against the float64 reference rounded once to
+  the dtype. Unweighted they are pure copies; weighted ones multiply in float32 and round
+  once, and a float32 product of two fp16/bf16 values is exact while a float64 product of two
+  float32 values is exact, so rounding the float64 reference once gives the same bits. Rows
+  that no position lands on (unused capacity, padding) are exactly zero.
+* scatters: ours sums a token's top_k slots in float32 and rounds once; the bound against
+  the float64 reference is ``(eps/2 + top_k * eps32) * sum|w*y|`` (one rounding to the dtype,
+  top_k float32 roundings). Upstream rounds each slot to the dtype, then sums and rounds
+  again, so the comparison with it adds ``(top_k + 1)`` roundings of the dtype to that bound.
+* wgrads: float32 dot products over ``hidden`` rounded to the dtype: ``eps/2 * |ref| +
+  hidden * eps32 * sum|y*g|`` against the reference, twice that against upstream; slots that
+  were dropped are exactly zero.
+
+Rounding in the Triton interpreter: its float32 -> bfloat16 cast truncates (rounds toward
+zero; ``triton/runtime/interpreter.py`` ``cast_impl`` passes no rounding mode), where compiled
+Triton and PyTorch round to nearest even. Interpreted kernels (ours as 'ascend' and upstream's)
+are therefore held to round-toward-zero for bf16 -- exactly for gathers, with a full ulp
+instead of half in the bounds for scatters and wgrads -- while the 'torch' backend is held to
+round-to-nearest-even; ``test_interpreter_rounds_bf16_toward_zero`` pins that assumption.
+
+Poison: the expert-major inputs of scatter/wgrad hold NaN in every row no position lands on
+(unused capacity, padding), so reading one shows up as NaN in the output; for the 'ascend'
+kernels every ``torch.empty`` the launchers allocate is pre-filled with NaN (see
+``poisoned_empty``), so an output element the kernels forget to write shows up too. Inputs
+must come back unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import reference_impl as ref
+from megablocks_ascend import reference as torch_backend
+from megablocks_ascend.devices import Tile
+from megablocks_ascend.kernels import routing
+
+EPS32 = torch.finfo(torch.float32).eps
+SMALL = Tile(block_m=4, block_x=16)  # forces many sub-blocks that straddle expert boundaries
+
+FAMILIES = {
+    "binned": ("binned_gather", "binned_scatter", "binned_scatter_wgrad"),
+    "dropless": ("gather", "scatter", "scatter_wgrad"),
+    "padded": ("padded_gather", "padded_scatter", "padded_scatter_wgrad"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    tokens: int
+    experts: int
+    top_k: int
+    hidden: int
+    dtype: torch.dtype
+    weighted: bool
+    capacity: int = 0  # binned only
+    block: int = 0  # padded only
+    counts: tuple | None = None  # fixed slots per expert (else random top-k choices)
+    skew: float | None = None
+    empty: tuple = ()
+    tile: Tile | None = None  # None: the launcher's own choice
+    num_programs: int | None = None
+    index_dtype: torch.dtype = torch.int32
+
+
+# The case matrix. Not a cross product: each case combines several of the situations the seed
+# names, so that together they cover all of them for every family, with every dtype, both
+# weighted and unweighted, and both the forced small tile (4 rows x 16 features, with 1 and 3
+# programs) and the launcher's default tile. Hidden sizes 1, 3, 37 and 130 are not multiples
+# of either tile width (16 forced; 256 default in the interpreter).
+CASES = {
+    "binned": [
+        # Counts 0,7,3,0,9,5,0 with capacity 5: empty first/middle/last experts, overflow (7, 9
+        # > 5), exact capacity (5), under capacity (3); 4-row sub-blocks straddle experts and
+        # their overflow; 3 programs each walk several sub-blocks.
+        Case("mixed-fp32-w-np3", 12, 7, 2, 37, torch.float32, True, capacity=5,
+             counts=(0, 7, 3, 0, 9, 5, 0), tile=SMALL, num_programs=3),
+        # Same boundaries in fp16, unweighted, top_k=1, one program walking every sub-block.
+        Case("mixed-fp16-np1", 24, 7, 1, 3, torch.float16, False, capacity=5,
+             counts=(0, 7, 3, 0, 9, 5, 0), tile=SMALL, num_programs=1),
+        # ... and in bf16 with top_k=4 and hidden 130 (9 feature tiles of 16, the last one of 2).
+        Case("mixed-bf16-w-k4-np3", 6, 7, 4, 130, torch.bfloat16, True, capacity=5,
+             counts=(0, 7, 3, 0, 9, 5, 0), tile=SMALL, num_programs=3),
+        # 64 skewed tokens: the popular experts overflow capacity 12, others are under it.
+        Case("skew-fp16-w-t64", 64, 8, 2, 37, torch.float16, True, capacity=12, skew=2.0,
+             tile=SMALL, num_programs=3),
+        # Capacity 1 with top_k=4: almost everything is dropped; bf16, weighted, default tile.
+        Case("cap1-bf16-w-k4", 16, 4, 4, 130, torch.bfloat16, True, capacity=1),
+        # Capacity larger than all assignments (40 > 32): nothing dropped, most rows unused;
+        # skewed routing; int64 index tensors.
+        Case("cap-huge-fp32-skew", 16, 4, 2, 130, torch.float32, False, capacity=40, skew=1.5,
+             index_dtype=torch.int64),
+        # One expert that overflows (20 tokens, capacity 16), hidden 1.
+        Case("one-expert-fp16-w", 20, 1, 1, 1, torch.float16, True, capacity=16, tile=SMALL, num_programs=3),
+        # 64 experts, capacity 2: a sub-block spans several experts, many of them empty.
+        Case("e64-bf16-w", 32, 64, 2, 37, torch.bfloat16, True, capacity=2, tile=SMALL, num_programs=3),
+        # Empty batch: no tokens, the whole capacity buffer is unused.
+        Case("empty-batch", 0, 4, 2, 37, torch.float32, True, capacity=3),
+    ],
+    "dropless": [
+        # top_k=8 over 8 experts: every token goes to every expert.
+        Case("k8-fp32-w-np3", 8, 8, 8, 37, torch.float32, True, tile=SMALL, num_programs=3),
+        Case("k8-bf16-np1", 8, 16, 8, 130, torch.bfloat16, False, tile=SMALL, num_programs=1),
+        # 256 positions in 64 sub-blocks over 3 programs.
+        Case("t64-k4-fp32-w-np3", 64, 8, 4, 37, torch.float32, True, tile=SMALL, num_programs=3),
+        # Empty first/middle/last experts, tiny segments (1) inside 4-row sub-blocks.
+        Case("empty-experts-fp16-np1", 6, 6, 2, 3, torch.float16, False,
+             counts=(0, 5, 0, 6, 1, 0), tile=SMALL, num_programs=1),
+        # 64 experts, top_k=4, bf16, weighted, default tile, int64 index tensors.
+        Case("e64-k4-bf16-w", 32, 64, 4, 130, torch.bfloat16, True, index_dtype=torch.int64),
+        # One expert, top_k=1, hidden 1, token count not a multiple of the sub-block.
+        Case("one-expert-fp32", 33, 1, 1, 1, torch.float32, False, tile=SMALL, num_programs=3),
+        # Skewed routing (a few experts take most tokens), 64 tokens, fp16, weighted.
+        Case("skew-fp16-w-k2", 64, 8, 2, 130, torch.float16, True, skew=2.0),
+        Case("empty-batch", 0, 4, 2, 37, torch.bfloat16, True),
+    ],
+    "padded": [
+        # Block 4, counts 0,4,5,0,8,9,3,1,0: segments exactly on a multiple (4, 8), just over
+        # (5, 9), under (3, 1), empty first/middle/last (0 rows after padding).
+        Case("boundary-fp32-w-np3", 15, 9, 2, 37, torch.float32, True, block=4,
+             counts=(0, 4, 5, 0, 8, 9, 3, 1, 0), tile=SMALL, num_programs=3),
+        Case("boundary-bf16-np1", 30, 9, 1, 3, torch.bfloat16, False, block=4,
+             counts=(0, 4, 5, 0, 8, 9, 3, 1, 0), tile=SMALL, num_programs=1),
+        Case("boundary-fp16-w-k4-np3", 8, 9, 4, 130, torch.float16, True, block=4,
+             counts=(0, 4, 5, 0, 8, 9, 3, 3, 0), tile=SMALL, num_programs=3),
+        Case("skew-fp32-w-t64-np1", 64, 8, 2, 37, torch.float32, True, block=8, skew=1.0,
+             tile=SMALL, num_programs=1),
+        # Block larger than every segment, top_k=4, fp16, weighted, default tile.
+        Case("block16-fp16-w-k4", 16, 4, 4, 130, torch.float16, True, block=16),
+        # 64 experts with top_k=8: mostly padding.
+        Case("e64-k8-bf16-w", 8, 64, 8, 37, torch.bfloat16, True, block=4, tile=SMALL, num_programs=3,
+             index_dtype=torch.int64),
+        # One expert, 13 tokens padded to 16.
+        Case("one-expert-fp32", 13, 1, 1, 1, torch.float32, False, block=8, tile=SMALL, num_programs=3),
+        Case("empty-batch", 0, 4, 2, 37, torch.float16, True, block=4),
+    ],
+}
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor  # [tokens, hidden]
+    y: torch.Tensor  # the expert-major buffer (NaN in rows no position lands on)
+    grad: torch.Tensor  # [tokens, hidden]
+    weights: torch.Tensor | None
+    indices: torch.Tensor
+    bin_ids: torch.Tensor
+    bins: torch.Tensor
+    padded_bins: torch.Tensor | None
+    position_rows: list
+    num_rows: int
+
+
+_INPUTS: dict[tuple[str, str], Inputs] = {}
+
+
+def inputs(family: str, case: Case) -> Inputs:
+    key = (family, case.id)
+    if key in _INPUTS:
+        return _INPUTS[key]
+    g = torch.Generator().manual_seed(sum(map(ord, family + case.id)))
+    n = case.tokens * case.top_k
+    indices, bin_ids, bins, _ = ref.make_routing(case.tokens, case.experts, case.top_k, skew=case.skew,
+                                                 empty_experts=case.empty, counts=case.counts, generator=g)
+    pbins = None
+    if family == "binned":
+        rows = ref.binned_rows(bins, case.capacity)
+        num_rows = case.experts * case.capacity
+        y_shape = (case.experts, case.capacity, case.hidden)
+    elif family == "dropless":
+        rows, num_rows, y_shape = ref.dropless_rows(bins), n, (n, case.hidden)
+    else:
+        pbins = ref.padded_bins(bins, case.block)
+        rows = ref.padded_rows(bins, pbins)
+        num_rows = int(pbins[-1])
+        y_shape = (num_rows, case.hidden)
+    y = torch.randn(num_rows, case.hidden, generator=g).to(case.dtype)
+    y[ref.unused_rows(rows, num_rows)] = float("nan")
+    it = case.index_dtype
+    result = Inputs(
+        x=torch.randn(case.tokens, case.hidden, generator=g).to(case.dtype),
+        y=y.view(y_shape),
+        grad=torch.randn(case.tokens, case.hidden, generator=g).to(case.dtype),
+        weights=(torch.rand(n, generator=g) + 0.1).to(case.dtype) if case.weighted else None,
+        indices=indices.to(it), bin_ids=bin_ids.to(it), bins=bins.to(it),
+        padded_bins=None if pbins is None else pbins.to(it),
+        position_rows=rows, num_rows=num_rows)
+    _INPUTS[key] = result
+    return result
+
+
+def call_args(fn: str, case: Case, inp: Inputs, *, magnitude: bool = False):
+    """Positional arguments of ``fn`` (upstream's signature). ``magnitude``: absolute values,
+    so the same function gives the sum of |terms| that bounds the rounding error."""
+    y = inp.y.abs() if magnitude else inp.y
+    w = inp.weights.abs() if (magnitude and inp.weights is not None) else inp.weights
+    grad = inp.grad.abs() if magnitude else inp.grad
+    i, b, bins, pb, k = inp.indices, inp.bin_ids, inp.bins, inp.padded_bins, case.top_k
+    return {
+        "binned_gather": (inp.x, i, w, bins, case.capacity, k),
+        "binned_scatter": (y, i, w, bins, k),
+        "binned_scatter_wgrad": (y, grad, i, bins, k),
+        "gather": (inp.x, i, b, w, bins, k),
+        "scatter": (y, i, b, w, bins, k),
+        "scatter_wgrad": (y, grad, i, b, bins, k),
+        "padded_gather": (inp.x, i, b, w, bins, pb, k),
+        "padded_scatter": (y, i, b, w, bins, pb, k),
+        "padded_scatter_wgrad": (y, grad, i, b, bins, pb, k),
+    }[fn]
+
+
+_UPSTREAM: dict[tuple[str, str, str], torch.Tensor] = {}
+
+
+def upstream_result(upstream_kernels, family, fn, case, inp):
+    key = (family, fn, case.id)
+    if key not in _UPSTREAM:
+        _UPSTREAM[key] = upstream_kernels[fn](*call_args(fn, case, inp))
+    return _UPSTREAM[key]
+
+
+class _PoisonTorch:
+    """``torch`` as the launchers see it, except that ``empty`` returns poisoned memory."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    monkeypatch.setattr(routing, "torch", _PoisonTorch())
+
+
+def run(backend: str, fn: str, case: Case, args):
+    if backend == "ascend":
+        return getattr(routing, fn)(*args, tile=case.tile, num_programs=case.num_programs)
+    return getattr(torch_backend, fn)(*args)
+
+
+def round_like(t64: torch.Tensor, dtype: torch.dtype, interpreted: bool) -> torch.Tensor:
+    """``t64`` rounded once to ``dtype`` the way the implementation does it: to nearest even,
+    except bf16 in the Triton interpreter, which truncates. (Truncation is done on the float32
+    bits, so it needs ``t64`` exact in float32: true of products of two bf16 values.)"""
+    if interpreted and dtype == torch.bfloat16:
+        t32 = t64.to(torch.float32)
+        assert torch.equal(t32.double(), t64), "round-toward-zero helper needs values exact in float32"
+        return (t32.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    return t64.to(dtype)
+
+
+def _tiny(dtype):
+    """The spacing of subnormals: the least absolute error a rounding to ``dtype`` can make."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps
+
+
+def assert_within(out, expected, bound, what):
+    err = (out.double() - expected).abs()
+    bad = ~(err <= bound)  # NaN anywhere counts as a failure
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {out.numel()} elements out of bound; first at "
+        f"{tuple(torch.nonzero(bad)[0].tolist())}: got {out.double()[bad][0].item()}, "
+        f"expected {expected[bad][0].item()}, bound {bound.expand_as(err)[bad][0].item():.3g}")
+
+
+PARAMS = [
+    pytest.param(family, fn, case, backend, id=f"{fn}-{case.id}-{backend}")
+    for family, fns in FAMILIES.items()
+    for fn in fns
+    for case in CASES[family]
+    for backend in ("ascend", "torch")
+]
+
+
+@pytest.mark.parametrize("family, fn, case, backend", PARAMS)
+def test_kernel(family, fn, case, backend, upstream_kernels, poisoned_empty):
+    inp = inputs(family, case)
+    args = call_args(fn, case, inp)
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+
+    out = run(backend, fn, case, args)
+
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    for a, b in zip(after, before):
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)), \
+            "an input was modified"
+    expected = ref.KERNELS[fn](*args)
+    upstream = upstream_result(upstream_kernels, family, fn, case, inp)
+    assert out.dtype == case.dtype
+    assert out.shape == expected.shape == upstream.shape
+    dtype, eps, tiny = case.dtype, torch.finfo(case.dtype).eps, _tiny(case.dtype)
+    interpreted = backend == "ascend"
+    # One rounding to the dtype costs half an ulp, a whole one where the interpreter truncates.
+    ours_rounding = eps if (interpreted and dtype == torch.bfloat16) else eps / 2
+    upstream_rounding = eps if dtype == torch.bfloat16 else eps / 2
+
+    if fn.endswith("gather"):
+        # Exact against both; unused capacity / padding rows exactly zero.
+        assert torch.equal(out, round_like(expected, dtype, interpreted)), "gather differs from the float64 reference"
+        if interpreted or dtype != torch.bfloat16 or not case.weighted:
+            assert torch.equal(out, upstream), "gather differs from upstream"
+        else:  # torch rounds to nearest, interpreted upstream toward zero
+            assert torch.equal(upstream, round_like(expected, dtype, True)), "upstream is not what we think"
+        unused = ref.unused_rows(inp.position_rows, inp.num_rows)
+        flat = out.reshape(inp.num_rows, case.hidden)
+        assert torch.equal(flat[unused], torch.zeros_like(flat[unused])), "unused rows are not zero"
+        if family == "binned":
+            assert len(unused) >= case.experts * case.capacity - case.tokens * case.top_k
+        elif family == "padded":
+            assert len(unused) == inp.num_rows - case.tokens * case.top_k
+    elif fn.endswith("scatter"):
+        mag = ref.KERNELS[fn](*call_args(fn, case, inp, magnitude=True))
+        assert_within(out, expected, (ours_rounding + case.top_k * EPS32) * mag + tiny, "scatter vs float64")
+        # Upstream: each slot rounded to the dtype, then summed (torch sums and rounds once).
+        up_bound = (ours_rounding + case.top_k * upstream_rounding + eps / 2 + case.top_k * EPS32) * mag
+        assert_within(out, upstream.double(), up_bound + 2 * tiny, "scatter vs upstream")
+        if case.top_k == 1 and not case.weighted:
+            assert torch.equal(out, upstream), "a top_k=1 unweighted scatter is a pure copy"
+        # Tokens whose every slot was dropped receive exactly zero.
+        none_kept = mag.sum(dim=1) == 0
+        assert torch.equal(out[none_kept], torch.zeros_like(out[none_kept]))
+    else:
+        mag = ref.KERNELS[fn](*call_args(fn, case, inp, magnitude=True))
+        h = case.hidden
+        sums = h * EPS32 * mag  # float32 accumulation over hidden
+        assert_within(out, expected, ours_rounding * expected.abs() + sums + tiny, "wgrad vs float64")
+        assert_within(out, upstream.double(),
+                      (ours_rounding + upstream_rounding) * expected.abs() + 2 * sums + 2 * tiny, "wgrad vs upstream")
+        dropped = [s for s, r in enumerate(ref.slot_rows(inp.indices, inp.position_rows)) if r is None]
+        assert torch.equal(out[dropped], torch.zeros_like(out[dropped])), "dropped slots are not zero"
+
+
+def test_interpreter_rounds_bf16_toward_zero(upstream_kernels):
+    """The rounding assumption above. With ``x = 1 + a/128`` and ``w = 1 + b/128`` (exact in
+    bf16, whose ulp in [1, 2) is 1/128) the product is ``1 + (a+b)/128`` plus ``ab/128`` of an
+    ulp: a = b = 11 leaves 121/128 of an ulp, which rounds up to nearest and down toward zero."""
+    x = torch.tensor([[1 + 11 / 128], [1 + 3 / 128]], dtype=torch.bfloat16)
+    w = torch.tensor([1 + 11 / 128, 1 + 5 / 128], dtype=torch.bfloat16)
+    indices, bins = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    exact = x.double().flatten() * w.double()
+    nearest, toward_zero = exact.to(torch.bfloat16), round_like(exact, torch.bfloat16, True)
+    assert not torch.equal(nearest, toward_zero)  # the example does tell the modes apart
+    args = (x, indices, indices, w, bins, 1)
+    assert torch.equal(routing.gather(*args).flatten(), toward_zero)
+    assert torch.equal(upstream_kernels["gather"](*args).flatten(), toward_zero)
+    assert torch.equal(torch_backend.gather(*args).flatten(), nearest)
+
+
+def test_case_matrix_covers_the_seed():
+    """The matrix above really contains the situations the comments claim."""
+    seen = set()
+    for family, cases in CASES.items():
+        for case in cases:
+            inp = inputs(family, case)
+            counts = torch.diff(inp.bins.long(), prepend=inp.bins.new_zeros(1).long()).tolist()
+            seen.add((family, "dtype", case.dtype))
+            seen.add((family, "weighted", case.weighted))
+            seen.add((family, "top_k", case.top_k))
+            seen.add((family, "tokens0", case.tokens == 0))
+            seen.add((family, "one-expert", case.experts == 1))
+            seen.add((family, "many-experts", case.experts >= 64))
+            seen.add((family, "programs", case.num_programs))
+            if case.tile is not None and case.tokens:
+                seen.add((family, "odd-hidden", case.hidden % case.tile.block_x != 0))
+            if counts and case.tokens:
+                seen.add((family, "empty-first", counts[0] == 0))
+                seen.add((family, "empty-last", counts[-1] == 0))
+                seen.add((family, "empty-middle", 0 in counts[1:-1]))
+            if family == "binned" and case.tokens:
+                seen.add((family, "overflow", max(counts) > case.capacity))
+                seen.add((family, "exact", case.capacity in counts))
+                seen.add((family, "cap1", case.capacity == 1))
+                seen.add((family, "cap>all", case.capacity > case.tokens * case.top_k))
+            if family == "padded" and case.tokens:
+                seen.add((family, "on-multiple", any(c and c % case.block == 0 for c in counts)))
+                seen.add((family, "just-over", any(c % case.block == 1 and c > case.block for c in counts)))
+    for family in CASES:
+        for item in [("dtype", d) for d in (torch.float32, torch.float16, torch.bfloat16)] + [
+                ("weighted", True), ("weighted", False), ("tokens0", True), ("one-expert", True),
+                ("many-experts", True), ("programs", 1), ("programs", 3), ("odd-hidden", True),
+                ("empty-first", True), ("empty-last", True), ("empty-middle", True)]:
+            assert (family, *item) in seen, (family, item)
+        for k in (1, 2, 4):
+            assert (family, "top_k", k) in seen, (family, k)
+    assert ("dropless", "top_k", 8) in seen
+    for item in ("overflow", "exact", "cap1", "cap>all"):
+        assert ("binned", item, True) in seen, item
+    for item in ("on-multiple", "just-over"):
+        assert ("padded", item, True) in seen, item
