@@ -3,7 +3,9 @@
 Each op is the same ``torch.autograd.Function`` as upstream's ``megablocks/ops/<op>.py``
 (same forward, same backward, same saved tensors), with two differences: kernels are called
 through :mod:`megablocks_ascend.backends`, so ``MEGABLOCKS_BACKEND`` decides who serves them,
-and the autocast handling follows the tensors' device instead of assuming CUDA.
+and the autocast handling follows the tensors' device instead of assuming CUDA. The kernels are
+called as ``torch.library`` custom ops (:mod:`megablocks_ascend.library`) so that
+``torch.compile`` can trace through these Functions without graph breaks.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megablocks_ascend import backends as kernels
+from megablocks_ascend import library as kernels
 from megablocks_ascend.autocast import custom_bwd, custom_fwd
 
 

@@ -100,11 +100,6 @@ def test_sort_full_width_default_end_bit_int64():
     assert values.tolist() == expected_values and order.tolist() == expected_order
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "megablocks_ops.sort masks keys to end_bit bits and sorts them as unsigned; CUB twiddles "
-    "the sign bit of signed keys, so with end_bit equal to the width of int16/int32 (the "
-    "default of megablocks.ops.sort) negative keys must come first. int64 happens to work "
-    "because its mask is skipped."))
 @pytest.mark.parametrize("dtype", (torch.int16, torch.int32))
 def test_sort_full_width_negative_keys(dtype):
     x = torch.tensor([5, -1, 3, -8, 0, 7, -3, 3, -1], dtype=dtype)

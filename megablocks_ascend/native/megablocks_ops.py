@@ -24,7 +24,9 @@ def sort(x: torch.Tensor, end_bit: int, x_out: torch.Tensor, iota_out: torch.Ten
     """Stable ascending sort of ``x`` on its bits ``[0, end_bit)``; ``iota_out`` gets the permutation.
 
     CUB's radix sort over the low ``end_bit`` bits is stable, and keys keep their full value
-    in ``x_out``; a stable sort on the masked keys reproduces it exactly.
+    in ``x_out``; a stable sort on the masked keys reproduces it exactly. CUB flips the sign bit
+    of signed keys first, so over the full width negative keys sort first (a plain signed sort),
+    while over fewer bits the sign bit is not looked at (the low bits, unsigned).
     """
     _check("x", x, 1)
     _check("x_out", x_out, 1, (x.dtype,))
@@ -32,7 +34,7 @@ def sort(x: torch.Tensor, end_bit: int, x_out: torch.Tensor, iota_out: torch.Ten
     if x.numel() == 0:
         return
     keys = x.long()
-    if end_bit < 64:
+    if end_bit < torch.iinfo(x.dtype).bits:
         keys = keys & ((1 << end_bit) - 1)
     order = torch.sort(keys, stable=True).indices
     x_out.copy_(x[order])
