@@ -437,6 +437,17 @@ def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
     Not differentiable (like the real backend); use ``ops.gmm`` for autograd.
     Raises ``ValueError`` naming the offending argument before doing any work.
     """
+    if c is not None:
+        return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c)
+    if not torch.compiler.is_compiling():
+        _validate(a, b, batch_sizes, trans_a, trans_b, c)  # errors before dispatch, naming the argument
+    # One opaque node for torch.compile (the group sizes are read on the host inside it); like the
+    # real backend, the result does not carry autograd history.
+    with torch.no_grad():
+        return _gmm_op(a, b, batch_sizes, bool(trans_a), bool(trans_b))
+
+
+def _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c):
     sizes = _validate(a, b, batch_sizes, trans_a, trans_b, c)
     impl = _select_impl(a, b, batch_sizes, trans_a, trans_b)
     with torch.no_grad():
@@ -448,6 +459,17 @@ def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
             c = torch.empty(_output_shape(a, b, len(sizes), trans_a, trans_b),
                             dtype=a.dtype, device=a.device)
         return _gmm_loop(a, b, sizes, trans_a, trans_b, c)
+
+
+@torch.library.custom_op("megablocks_ascend::gmm", mutates_args=())
+def _gmm_op(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_a: bool,
+            trans_b: bool) -> torch.Tensor:
+    return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, None)
+
+
+@_gmm_op.register_fake
+def _(a, b, batch_sizes, trans_a, trans_b):
+    return a.new_empty(_output_shape(a, b, batch_sizes.shape[0], trans_a, trans_b))
 
 
 # --------------------------------------------------------------------------

@@ -51,9 +51,14 @@ def histogram(x: torch.Tensor, max_val: int) -> torch.Tensor:
     if rows.numel():
         values = rows.long()
         inside = (values >= 0) & (values < num_bins)
+        # Fixed-size scatter-add (no boolean indexing): values outside [0, max_val) land in one
+        # extra bin that is dropped, and the output's size never depends on the data.
+        trash = rows.shape[0] * num_bins
         flat = values + torch.arange(rows.shape[0], device=x.device)[:, None] * num_bins
-        counts = torch.bincount(flat[inside], minlength=rows.shape[0] * num_bins)
-        out.copy_(counts.view(rows.shape[0], num_bins))
+        flat = torch.where(inside, flat, trash).flatten()
+        counts = torch.zeros(trash + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        out.copy_(counts[:trash].view(rows.shape[0], num_bins))
     return out.flatten() if x.ndim == 1 else out
 
 
