@@ -29,7 +29,24 @@ def _lower(args: argparse.Namespace) -> int:
     return lowering.main(args)
 
 
+def _module_command(module: str, help: str) -> Subcommand:
+    """A subcommand whose module has ``add_arguments(parser)`` and ``main(args) -> int``."""
+    import importlib  # noqa: PLC0415
+
+    return Subcommand(help,
+                      lambda parser: importlib.import_module(module).add_arguments(parser),
+                      lambda args: importlib.import_module(module).main(args))
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
+    "doctor": _module_command(
+        "megablocks_ascend.doctor",
+        "print what this machine will run (backend per device, versions, patches) and how to fix "
+        "what is missing"),
+    "selftest": _module_command(
+        "megablocks_ascend.selftest",
+        "compare every routing kernel with the torch backend on this machine's device (run this "
+        "first on an NPU)"),
     "lower": Subcommand(
         "lower every routing kernel with triton-ascend's front end (needs the lowering venv: "
         "tools/ascend_lowering_env.sh)", _lower_arguments, _lower),
