@@ -51,6 +51,8 @@ from megablocks_ascend import devices
 from megablocks_ascend.compat import kernel
 
 DROPLESS, PADDED, BINNED = 0, 1, 2
+# Triton kernels may only read globals that are tl.constexpr; the launchers use the ints above.
+_DROPLESS, _PADDED = tl.constexpr(DROPLESS), tl.constexpr(PADDED)
 _INT32_LIMIT = 2**31
 
 
@@ -67,9 +69,9 @@ def _gather(
     cols = tl.arange(0, BLOCK_X)
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
-    if LAYOUT != DROPLESS:
+    if LAYOUT != _DROPLESS:
         ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
-        if LAYOUT == PADDED:
+        if LAYOUT == _PADDED:
             pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
         else:
             pends = (e + 1) * capacity
@@ -78,7 +80,7 @@ def _gather(
     for blk in range(pid, tl.cdiv(num_rows, BLOCK_M), npg):
         rows = blk * BLOCK_M + m
         in_rows = rows < num_rows
-        if LAYOUT == DROPLESS:
+        if LAYOUT == _DROPLESS:
             pos = rows
             valid = in_rows
         else:
@@ -92,8 +94,12 @@ def _gather(
             pos_end = tl.min(tl.where(after, ends[None, :], big), axis=1)
             pos = pos_start + (rows - seg_start)
             valid = in_rows & (rows < seg_end) & (pos < pos_end) & (pos < num_positions)
+            # Loads through computed offsets are clamped to valid addresses, not just masked:
+            # triton-ascend 3.2 may issue a masked-out data-dependent load (triton-ascend#2332).
+            pos = tl.where(valid, pos, 0)
         slot = tl.load(indices + pos, mask=valid, other=0).to(tl.int32)
         valid = valid & (slot >= 0) & (slot < num_positions)
+        slot = tl.where(valid, slot, 0)
         token = slot // TOP_K
         if SCALE:
             scale = tl.load(weights + slot, mask=valid, other=0).to(tl.float32)
@@ -123,9 +129,9 @@ def _route_map(
     m = tl.arange(0, BLOCK_M)
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
-    if LAYOUT != DROPLESS:
+    if LAYOUT != _DROPLESS:
         ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
-        if LAYOUT == PADDED:
+        if LAYOUT == _PADDED:
             pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
         else:
             pends = (e + 1) * capacity
@@ -134,7 +140,7 @@ def _route_map(
     for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
         pos = blk * BLOCK_M + m
         in_pos = pos < num_positions
-        if LAYOUT == DROPLESS:
+        if LAYOUT == _DROPLESS:
             row = pos
             keep = in_pos
         else:
@@ -178,6 +184,7 @@ def _scatter(
                 slot = tokens * TOP_K + k
                 row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
                 valid = in_tokens & (row >= 0) & (row < num_rows)
+                row = tl.where(valid, row, 0)  # clamped, not only masked (see _gather)
                 if INT64:
                     src = row.to(tl.int64) * hidden
                 else:
@@ -207,7 +214,8 @@ def _wgrad(
         in_slots = slots < num_slots
         row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
         valid = in_slots & (row >= 0) & (row < num_rows)
-        token = slots // TOP_K
+        row = tl.where(valid, row, 0)  # clamped, not only masked (see _gather)
+        token = tl.where(valid, slots, 0) // TOP_K
         if INT64:
             src = row.to(tl.int64) * hidden
             gsrc = token.to(tl.int64) * hidden
