@@ -1,0 +1,94 @@
+"""Device facts (grid size, tile sizes, the Unified Buffer budget) and the Triton compat layer."""
+
+import types
+
+import pytest
+import torch
+
+from megablocks_ascend import compat, devices
+
+
+@pytest.mark.parametrize("kind", ["gather", "scatter", "wgrad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [1, 7, 16, 1000, 1024, 4096, 7168])
+def test_npu_tiles_fit_the_unified_buffer_and_are_aligned(kind, dtype, hidden):
+    t = devices.tile(kind, dtype, hidden, "npu")
+    es = torch.empty((), dtype=dtype).element_size()
+    # Every live buffer, double-buffered, fits the UB minus the compiler's reserve ...
+    assert devices.ub_bytes(kind, t.block_m, t.block_x, es) <= devices.UB_BYTES - devices.UB_RESERVE
+    # ... and the sub-block is as large as the budget allows (doubling it would not fit), up to 64.
+    assert t.block_m == 64 or devices.ub_bytes(kind, 2 * t.block_m, t.block_x, es) > \
+        devices.UB_BYTES - devices.UB_RESERVE
+    # Tiles are powers of two of whole 32-byte UB blocks.
+    assert t.block_x & (t.block_x - 1) == 0 and t.block_m & (t.block_m - 1) == 0
+    assert (t.block_x * es) % devices.UB_BLOCK_BYTES == 0
+
+
+def test_ub_bytes_counts_each_buffer():
+    # gather: dtype tile + float32 copy + dtype tile, per element; 20 bytes of row vectors; x2 buffers.
+    assert devices.ub_bytes("gather", 8, 512, 2) == 2 * 8 * (512 * (2 * 2 + 4) + 20)
+    # scatter keeps a float32 copy and a float32 accumulator; wgrad two float32 copies and a product.
+    assert devices.ub_bytes("scatter", 1, 1, 4) == 2 * (2 * 4 + 2 * 4 + 20)
+    assert devices.ub_bytes("wgrad", 1, 1, 2) == 2 * (2 * 2 + 3 * 4 + 20)
+
+
+def test_other_targets_tiles():
+    cuda = devices.tile("scatter", torch.bfloat16, 4096, "cuda")
+    assert cuda.block_x == 1024 and cuda.num_warps == 4
+    assert devices.tile("gather", torch.float32, 3, "interpreter").block_x == 8  # one 32-byte block
+    with pytest.raises(ValueError, match="unknown target"):
+        devices.tile("gather", torch.float32, 8, "tpu")
+    with pytest.raises(ValueError, match="unknown kernel kind"):
+        devices.tile("copy", torch.float32, 8, "npu")
+
+
+def test_num_programs_comes_from_the_device_and_the_override(monkeypatch):
+    monkeypatch.delenv("MEGABLOCKS_ASCEND_NUM_PROGRAMS", raising=False)
+    cpu = torch.device("cpu")
+    assert devices.num_programs(cpu, 1000) == devices.INTERPRETER_PROGRAMS
+    assert devices.num_programs(cpu, 2) == 2  # never more programs than work
+    assert devices.num_programs(cpu, 0) == 1
+    monkeypatch.setattr(devices, "_core_count", lambda kind, index: {"cuda": 132, "npu": 48}[kind])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert devices.num_programs(torch.device("cuda", 0), 10**6) == 132 * devices.CUDA_PROGRAMS_PER_SM
+    npu = types.SimpleNamespace(type="npu", index=0)
+    assert devices.num_programs(npu, 10**6) == 48  # one program per vector core
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_NUM_PROGRAMS", "3")
+    assert devices.num_programs(npu, 10**6) == 3
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_NUM_PROGRAMS", "0")
+    with pytest.raises(ValueError, match="positive integer"):
+        devices.num_programs(cpu, 10)
+
+
+def test_npu_core_count_reads_num_vectorcore(monkeypatch):
+    import triton
+    fake = types.SimpleNamespace(utils=types.SimpleNamespace(
+        get_device_properties=lambda index: {"num_vectorcore": 40, "num_aicore": 20}))
+    monkeypatch.setattr(triton.runtime, "driver", types.SimpleNamespace(active=fake))
+    devices._core_count.cache_clear()
+    try:
+        assert devices._core_count("npu", 0) == 40
+    finally:
+        devices._core_count.cache_clear()
+
+
+def test_slice_ops_resolved_across_api_generations():
+    names = compat.SLICE_OP_NAMES
+    fn = {n: (lambda *a, n=n: n) for n in names}
+    in_tl = types.SimpleNamespace(__name__="triton.language", **fn)  # triton-ascend 3.2.x
+    ops = compat.slice_ops(in_tl)
+    assert ops.source == "triton.language" and ops.insert_slice() == "insert_slice"
+    bare = types.SimpleNamespace(__name__="triton.language")  # standard Triton / newer triton-ascend
+    assert compat.slice_ops(bare, extension_module="megablocks_ascend_no_such_module") is None
+    ext = compat.slice_ops(bare, extension_module="tests._fake_cann_extension")
+    assert ext is not None and ext.source == "tests._fake_cann_extension" and ext.get_element() == "get_element"
+    assert compat.slice_ops(bare, extension_module="tests") is None  # a module without the ops
+    # What this machine has: standard Triton, neither location.
+    if not compat.is_triton_ascend():
+        assert compat.slice_ops() is None
+
+
+def test_interpreter_is_active_in_the_test_session_and_kernels_know_it():
+    assert compat.interpreter_active()
+    k = compat.kernel(lambda: None)
+    assert repr(k).startswith("Kernel(")
