@@ -96,6 +96,10 @@ KERNELS = (
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
                     SCALE=BOOLS, INT64=BOOLS),
                ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("x", "out", "weights"), True),
+    KernelSpec("_gather_tokens", "gather",
+               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
+                    SCALE=BOOLS, INT64=BOOLS),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("x", "out", "weights"), True),
     KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False),
     KernelSpec("_scatter", "scatter",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
@@ -145,6 +149,9 @@ def _scalars(spec: KernelSpec, axes: dict) -> dict:
     hidden = axes.get("hidden", 0)
     if spec.name == "_gather":
         return dict(num_rows=num_rows, num_positions=n, num_experts=EXPERTS, hidden=hidden, capacity=capacity)
+    if spec.name == "_gather_tokens":
+        return dict(num_tokens=TOKENS, num_rows=num_rows, num_positions=n, num_experts=EXPERTS,
+                    hidden=hidden, capacity=capacity)
     if spec.name == "_route_map":
         return dict(num_positions=n, num_experts=EXPERTS, capacity=capacity)
     if spec.name == "_scatter":

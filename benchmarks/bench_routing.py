@@ -1,0 +1,728 @@
+"""Routing-kernel benchmark: our Triton kernels vs upstream MegaBlocks' vs plain PyTorch.
+
+Times every routing op of every family (binned, dropless, padded: gather, weighted scatter,
+router-weight gradient) at three bf16 shapes, for three implementations:
+
+``ours``      ``megablocks_ascend.kernels.routing.<op>``
+``upstream``  MegaBlocks 0.10.0's own ``megablocks.backend.kernels.<op>`` (autotuned on CUDA)
+``torch``     ``megablocks_ascend.reference.<op>`` (whole-tensor PyTorch indexing)
+
+against a ceiling: a large device-to-device copy (``dst.copy_(src)``), counting bytes read plus
+bytes written. Before an op is timed, ours is checked against upstream (gathers bit-exact;
+scatters and weight gradients by relative error) with its output allocation poisoned (the
+caching allocator is handed a NaN-filled block of the output's size just before the call, so an
+element our kernel does not write shows up as NaN).
+
+Minimal bytes per op (``b`` bytes per element, 4 per index; ``T`` tokens, ``H`` hidden, ``k`` top_k,
+``E`` experts, ``N = T*k`` assignments, ``R`` output rows of a gather: ``N`` dropless,
+``padded_bins[-1]`` padded, ``E*capacity`` binned; ``K`` kept assignments (``N`` unless binned drops
+some); ``U`` distinct tokens with at least one kept assignment (``T`` unless binned drops all of a
+token's)); each distinct input byte read once, each output byte written once:
+
+    gather  (unweighted)  U*H*b  + N*4 + E*4 [+ E*4 padded_bins]   read,  R*H*b  written
+    scatter (weighted)    K*H*b  + K*b + N*4 + E*4 [+ E*4]         read,  T*H*b  written
+    wgrad                 K*H*b  + U*H*b + N*4 + E*4 [+ E*4]       read,  N*b    written
+
+(``bin_ids`` is not counted: no implementation needs it.) Fraction of ceiling = (minimal bytes /
+time) / (copy bytes / copy time). Timing: ``triton.testing.do_bench``, median, which clears the
+L2 cache (a 256 MiB memset) before every repetition; the inputs exceed the L2 anyway at the two
+large shapes.
+
+Usage::
+
+    python benchmarks/bench_routing.py                    # the table, JSON and PNG
+    python benchmarks/bench_routing.py --sweep --large --layers
+    python benchmarks/bench_routing.py --quick            # tiny shapes; runs on CPU (interpreter)
+
+``--large``  correctness where tokens x hidden >= 2**31 (ours; upstream in a child process, since
+             an int32 offset overflow can kill the CUDA context);
+``--layers`` MegaBlocks' unchanged MoE and dMoE (mlp_impl="grouped") forward+backward with
+             ``use_backend('ascend')`` vs ``use_backend('cuda')``;
+``--sweep``  our kernels under other tile sizes / grid sizes (for devices.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import megablocks_ascend  # noqa: E402  (before megablocks and triton: stand-ins, interpreter on CPU)
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from megablocks_ascend import backends, devices, reference  # noqa: E402
+from megablocks_ascend.kernels import routing  # noqa: E402
+
+SHAPES = {
+    "mixtral": dict(T=8192, H=4096, E=8, k=2, cf=1.0),
+    "fine": dict(T=16384, H=2048, E=64, k=6, cf=1.25),
+    "small": dict(T=4096, H=1024, E=16, k=1, cf=1.0),
+}
+QUICK_SHAPES = {
+    "quick": dict(T=24, H=48, E=4, k=2, cf=1.0),
+}
+LARGE_SHAPES = ("mixtral", "fine")  # where the 90%-of-ceiling target applies
+PAD_BLOCK = 128  # MegaBlocks' dMoE blocking (padded_bins rounds each expert up to it)
+
+FAMILIES = {
+    "binned": ("binned_gather", "binned_scatter", "binned_scatter_wgrad"),
+    "dropless": ("gather", "scatter", "scatter_wgrad"),
+    "padded": ("padded_gather", "padded_scatter", "padded_scatter_wgrad"),
+}
+OPS = [op for ops in FAMILIES.values() for op in ops]
+IMPLS = ("ours", "upstream", "torch")
+
+
+def op_kind(op: str) -> str:
+    if op.endswith("wgrad"):
+        return "wgrad"
+    return "gather" if op.endswith("gather") else "scatter"
+
+
+def op_family(op: str) -> str:
+    return next(f for f, ops in FAMILIES.items() if op in ops)
+
+
+# ------------------------------------------------------------------------------------------
+# Data
+
+
+class Data:
+    """One routing problem: random logits -> softmax top-k -> stable sort, as MegaBlocks does."""
+
+    def __init__(self, T, H, E, k, cf, device, dtype=torch.bfloat16, seed=0, lazy=False):
+        self.T, self.H, self.E, self.k, self.cf = T, H, E, k, cf
+        self.device, self.dtype = device, dtype
+        self.N = T * k
+        self.cap = int(cf * T * k / E)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.g = g
+        logits = torch.randn(T, E, device=device, generator=g)
+        w, top = torch.topk(torch.softmax(logits, dim=-1), k)
+        top = top.flatten().int()
+        self.w = w.flatten().to(dtype)
+        bin_ids, order = torch.sort(top, stable=True)
+        self.bin_ids = bin_ids.int()
+        self.indices = order.int()
+        counts = torch.bincount(top.long(), minlength=E).int()
+        self.bins = torch.cumsum(counts, 0).int()
+        self.padded_bins = torch.cumsum((counts + PAD_BLOCK - 1) // PAD_BLOCK * PAD_BLOCK, 0).int()
+        self.P = int(self.padded_bins[-1].item())
+        kept = torch.minimum(counts, torch.tensor(self.cap, device=device, dtype=torch.int32))
+        self.K_binned = int(kept.sum().item())
+        # Tokens with at least one kept assignment under the capacity.
+        pos = torch.arange(self.N, device=device)
+        start = torch.cat([torch.zeros(1, dtype=torch.long, device=device), self.bins[:-1].long()])
+        keep_pos = (pos - start[self.bin_ids.long()]) < self.cap
+        token_kept = torch.zeros(T, dtype=torch.bool, device=device)
+        token_kept[(self.indices.long()[keep_pos]) // k] = True
+        self.U_binned = int(token_kept.sum().item())
+        self._cache = {}
+        if not lazy:
+            for name in ("x", "y_bin", "y_drop", "y_pad", "grad"):
+                getattr(self, name)
+
+    def _rand(self, name, shape):
+        if name not in self._cache:
+            self._cache[name] = torch.randn(shape, device=self.device, generator=self.g).to(self.dtype) \
+                if self.device.type == "cpu" else \
+                torch.randn(shape, device=self.device, dtype=self.dtype, generator=self.g)
+        return self._cache[name]
+
+    def drop(self, name):
+        self._cache.pop(name, None)
+
+    x = property(lambda s: s._rand("x", (s.T, s.H)))
+    y_bin = property(lambda s: s._rand("y_bin", (s.E, s.cap, s.H)))
+    y_drop = property(lambda s: s._rand("y_drop", (s.N, s.H)))
+    y_pad = property(lambda s: s._rand("y_pad", (s.P, s.H)))
+    grad = property(lambda s: s._rand("grad", (s.T, s.H)))
+
+
+def call(op, fn, d: Data, **launch):
+    """Call ``fn`` (ours, upstream's or the reference's ``op``) with MegaBlocks' arguments."""
+    if op == "binned_gather":
+        return fn(d.x, d.indices, None, d.bins, d.cap, d.k, **launch)
+    if op == "binned_scatter":
+        return fn(d.y_bin, d.indices, d.w, d.bins, d.k, **launch)
+    if op == "binned_scatter_wgrad":
+        return fn(d.y_bin, d.grad, d.indices, d.bins, d.k, **launch)
+    if op == "gather":
+        return fn(d.x, d.indices, d.bin_ids, None, d.bins, d.k, **launch)
+    if op == "scatter":
+        return fn(d.y_drop, d.indices, d.bin_ids, d.w, d.bins, d.k, **launch)
+    if op == "scatter_wgrad":
+        return fn(d.y_drop, d.grad, d.indices, d.bin_ids, d.bins, d.k, **launch)
+    if op == "padded_gather":
+        return fn(d.x, d.indices, d.bin_ids, None, d.bins, d.padded_bins, d.k, **launch)
+    if op == "padded_scatter":
+        return fn(d.y_pad, d.indices, d.bin_ids, d.w, d.bins, d.padded_bins, d.k, **launch)
+    if op == "padded_scatter_wgrad":
+        return fn(d.y_pad, d.grad, d.indices, d.bin_ids, d.bins, d.padded_bins, d.k, **launch)
+    raise KeyError(op)
+
+
+def min_bytes(op, d: Data) -> int:
+    """Each distinct input byte read once, each output byte written once (see the module doc)."""
+    b = torch.empty((), dtype=d.dtype).element_size()
+    fam, kind = op_family(op), op_kind(op)
+    K = d.K_binned if fam == "binned" else d.N
+    U = d.U_binned if fam == "binned" else d.T
+    meta = d.N * 4 + d.E * 4 + (d.E * 4 if fam == "padded" else 0)
+    if kind == "gather":
+        rows = {"binned": d.E * d.cap, "dropless": d.N, "padded": d.P}[fam]
+        return U * d.H * b + meta + rows * d.H * b
+    if kind == "scatter":
+        return K * d.H * b + K * b + meta + d.T * d.H * b
+    return K * d.H * b + U * d.H * b + meta + d.N * b
+
+
+def _token_major(op):
+    """Our gathers through the token-major kernel (``routing.gather_tokens_rows``)."""
+    def binned_gather(x, indices, weights, bins, expert_capacity, top_k, **launch):
+        out = routing.gather_tokens_rows(x, indices, bins, None, weights, layout=routing.BINNED, top_k=top_k,
+                                         num_rows=bins.shape[0] * expert_capacity, capacity=expert_capacity,
+                                         **launch)
+        return out.view(bins.shape[0], expert_capacity, x.shape[1])
+
+    def gather(x, indices, bin_ids, weights, bins, top_k, **launch):
+        return routing.gather_tokens_rows(x, indices, bins, None, weights, layout=routing.DROPLESS, top_k=top_k,
+                                          num_rows=indices.shape[0], **launch)
+
+    def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
+        return routing.gather_tokens_rows(x, indices, bins, padded_bins, weights, layout=routing.PADDED,
+                                          top_k=top_k, num_rows=int(padded_bins[-1].item()), **launch)
+    return locals()[op]
+
+
+def implementation(op, impl):
+    if impl == "ours":
+        if op.endswith("+tok"):
+            return _token_major(op[:-4])
+        return getattr(routing, op)
+    if impl == "upstream":
+        return backends._upstream(op)
+    if impl == "torch":
+        return getattr(reference, op)
+    raise KeyError(impl)
+
+
+# ------------------------------------------------------------------------------------------
+# Timing and checking
+
+
+def bench(fn, device, grad_to_none=None) -> float:
+    """Median milliseconds of ``fn``."""
+    if device.type == "cuda":
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
+                                             return_mode="median"))
+    # CPU (Triton interpreter, --quick): a smoke test, not a measurement; one timed call after the check.
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def poisoned(fn, like_numel, dtype, device):
+    """Run ``fn`` right after the allocator has held a NaN-filled block of the output's size."""
+    p = torch.full((like_numel,), float("nan"), dtype=dtype, device=device)
+    del p
+    return fn()
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+TOL = {"scatter": 1e-2, "wgrad": 1e-2}
+
+
+def expected(op, d: Data):
+    return call(op, implementation(op, "upstream"), d), call(op, implementation(op, "torch"), d)
+
+
+def check(op, d: Data, fn=None, want=None, **launch):
+    """Ours (poisoned output) against upstream and the reference. Returns a dict of findings."""
+    up, ref = want if want is not None else expected(op, d)
+    fn = fn or implementation(op, "ours")
+    ours = poisoned(lambda: call(op, fn, d, **launch), up.numel(), d.dtype, d.device)
+    kind = op_kind(op)
+    out = {"op": op}
+    if ours.shape != up.shape:
+        out.update(ok=False, why=f"shape {tuple(ours.shape)} != upstream {tuple(up.shape)}")
+        return out
+    if kind == "gather":
+        eq_up = bool(torch.equal(ours, up))
+        eq_ref = bool(torch.equal(ours, ref))
+        out.update(ok=eq_up and eq_ref, exact_vs_upstream=eq_up, exact_vs_torch=eq_ref)
+    else:
+        e_up, e_ref, e_upref = rel_err(ours, up), rel_err(ours, ref), rel_err(up, ref)
+        out.update(ok=e_up <= TOL[kind] and e_ref <= TOL[kind], rel_err_vs_upstream=e_up,
+                   rel_err_vs_torch=e_ref, upstream_rel_err_vs_torch=e_upref)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Sections
+
+
+def copy_ceiling(device, quick):
+    n = (1 << 20) if quick else (1 << 30)  # bf16 elements: 2 GiB each way on a GPU
+    src = torch.randn(n, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), device)
+    nbytes = 2 * src.numel() * src.element_size()
+    res = {"bytes": nbytes, "ms": ms, "GBps": nbytes / ms / 1e6}
+    if not quick:
+        # The same copy at the size of one routing op, for what the L2 flush and launch cost at that size.
+        small = src[: 96 << 20]
+        dsts = dst[: 96 << 20]
+        ms2 = bench(lambda: dsts.copy_(small), device)
+        res["op_sized"] = {"bytes": 2 * small.numel() * 2, "ms": ms2, "GBps": 2 * small.numel() * 2 / ms2 / 1e6}
+    del src, dst
+    return res
+
+
+def routing_table(shapes, device, ceiling, log):
+    results, checks = [], []
+    for sname, s in shapes.items():
+        d = Data(**s, device=device)
+        log(f"[shape {sname}] T={d.T} H={d.H} E={d.E} k={d.k} cf={d.cf}: capacity={d.cap} "
+            f"kept(binned)={d.K_binned}/{d.N} tokens kept={d.U_binned}/{d.T} padded rows={d.P}")
+        for op in OPS:
+            c = check(op, d)
+            c["shape"] = sname
+            checks.append(c)
+            log(f"  check {op:22s} {'ok' if c['ok'] else 'FAIL'} "
+                + " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in c.items() if k not in ("op", "shape", "ok")))
+            nb = min_bytes(op, d)
+            times = {}
+            for impl in IMPLS:
+                fn = implementation(op, impl)
+                times[impl] = bench(lambda: call(op, fn, d), device)
+            for impl in IMPLS:
+                ms = times[impl]
+                gbps = nb / ms / 1e6
+                results.append(dict(op=op, family=op_family(op), kind=op_kind(op), shape=sname, impl=impl,
+                                    ms=ms, min_bytes=nb, GBps=gbps, frac_ceiling=gbps / ceiling,
+                                    speedup_vs_upstream=times["upstream"] / ms, check_ok=c["ok"]))
+        del d
+        free(device)
+    return results, checks
+
+
+# Tile / grid candidates for the CUDA branch of devices.tile: (block_m, block_x, num_warps,
+# programs per SM; 0 = one program per sub-block, no grid-stride loop).
+SWEEP = [
+    (4, 1024, 4, 8), (2, 1024, 4, 8), (8, 1024, 8, 8), (4, 2048, 8, 8), (4, 1024, 4, 4),
+    (4, 1024, 4, 16), (4, 1024, 4, 0), (1, 1024, 4, 16), (16, 512, 8, 8), (2, 2048, 8, 16),
+]
+# "op+tok": a gather through the token-major kernel.
+SWEEP_OPS = ("gather", "gather+tok", "binned_gather", "binned_gather+tok", "scatter", "scatter_wgrad",
+             "binned_scatter")
+
+
+def sweep(device, ceiling, log, shapes=LARGE_SHAPES, configs=SWEEP, ops=SWEEP_OPS):
+    sms = num_sms(device)
+    rows = []
+    for sname in shapes:
+        d = Data(**SHAPES[sname], device=device)
+        for op in ops:
+            base = op.split("+")[0]
+            nb = min_bytes(base, d)
+            fn = implementation(op, "ours")
+            want = expected(base, d)
+            for bm, bx, nw, pps in configs:
+                launch = dict(tile=devices.Tile(bm, bx, nw), num_programs=sms * pps if pps else 1 << 30)
+                c = check(base, d, fn=fn, want=want, **launch)
+                ms = bench(lambda: call(base, fn, d, **launch), device)
+                gbps = nb / ms / 1e6
+                rows.append(dict(shape=sname, op=op, block_m=bm, block_x=bx, num_warps=nw, programs_per_sm=pps,
+                                 ms=ms, GBps=gbps, frac_ceiling=gbps / ceiling, check_ok=c["ok"]))
+                log(f"  sweep {sname:8s} {op:18s} bm={bm:2d} bx={bx:4d} w={nw} pps={pps:2d} "
+                    f"{ms:8.4f} ms {gbps:7.0f} GB/s {gbps / ceiling:6.1%} {'ok' if c['ok'] else 'FAIL'}")
+            del want
+        del d
+        free(device)
+    return rows
+
+
+# --- Large tensors (tokens x hidden >= 2**31) -------------------------------------------------
+
+LARGE = dict(T=(1 << 19) + 4096, H=4096, E=16, k=1, cf=1.0)
+LARGE_OPS = ("gather", "scatter", "scatter_wgrad", "binned_gather", "binned_scatter",
+             "binned_scatter_wgrad", "padded_gather", "padded_scatter")
+
+
+def _compare_large(op, out, ref):
+    """Wrong rows (gathers and scatters: not bit-equal; wgrad: off by more than rounding)."""
+    if out.shape != ref.shape:
+        return dict(ok=False, why=f"shape {tuple(out.shape)} != {tuple(ref.shape)}")
+    o = out.reshape(-1, out.shape[-1]) if out.ndim > 1 else out.reshape(-1, 1)
+    r = ref.reshape(-1, ref.shape[-1]) if ref.ndim > 1 else ref.reshape(-1, 1)
+    if op_kind(op) == "gather":
+        bad = o != r  # bit-exact; NaN != NaN, so unwritten poisoned elements count
+    else:
+        # Scatters and dot products: rounding differs between implementations (the Triton
+        # interpreter even truncates float32 -> bfloat16); a wrong row is far off.
+        o32, r32 = o.float(), r.float()
+        bad = ((o32 - r32).abs() > 0.02 * r32.abs() + 0.05) | ~torch.isfinite(o32)
+    bad_rows = bad.any(dim=1)
+    n_bad = int(bad_rows.sum().item())
+    first = int(bad_rows.nonzero()[0].item()) if n_bad else None
+    return dict(ok=n_bad == 0, wrong_rows=n_bad, rows=int(r.shape[0]), first_wrong_row=first)
+
+
+def large_run(impl, ops, device, log, shape=None):
+    d = Data(**(shape or LARGE), device=device, lazy=True)
+    log(f"[large/{impl}] T={d.T} H={d.H} (T*H={d.T * d.H}, 2**31={2**31}) E={d.E} k={d.k} capacity={d.cap}")
+    out = []
+    needs = {"gather": ("x",), "binned_gather": ("x",), "padded_gather": ("x",),
+             "scatter": ("y_drop",), "scatter_wgrad": ("y_drop", "grad"),
+             "binned_scatter": ("y_bin",), "binned_scatter_wgrad": ("y_bin", "grad"),
+             "padded_scatter": ("y_pad",), "padded_scatter_wgrad": ("y_pad", "grad")}
+    for op in ops:
+        for name in ("x", "y_drop", "y_bin", "y_pad", "grad"):
+            if name not in needs[op]:
+                d.drop(name)
+        free(device)
+        ref = call(op, implementation(op, "torch"), d)
+        sync(device)
+        t0 = time.perf_counter()
+        got = poisoned(lambda: call(op, implementation(op, impl), d), ref.numel(), d.dtype, device)
+        sync(device)
+        r = dict(op=op, impl=impl, seconds=time.perf_counter() - t0, **_compare_large(op, got, ref))
+        del ref, got
+        log(f"  large {impl:8s} {op:22s} {'ok' if r['ok'] else 'WRONG'} "
+            + " ".join(f"{k}={v}" for k, v in r.items() if k not in ("op", "impl", "ok", "seconds")))
+        out.append(r)
+    return out
+
+
+def large(device, log, out_dir, shape=None):
+    shape = shape or LARGE
+    res = {"shape": dict(shape), "ours": large_run("ours", LARGE_OPS, device, log, shape), "upstream": []}
+    free(device)
+    # Upstream in child processes: an illegal address kills the CUDA context of its process.
+    remaining = list(LARGE_OPS)
+    partial = Path(out_dir) / "large_upstream.jsonl"
+    while remaining:
+        partial.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--large-child", ",".join(remaining), "--large-out", str(partial),
+               "--large-shape", json.dumps(shape)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired as e:
+            p = subprocess.CompletedProcess(cmd, -9, "", f"timed out after {e.timeout} s")
+        done = [json.loads(line) for line in partial.read_text().splitlines()] if partial.exists() else []
+        res["upstream"].extend(done)
+        for r in done:
+            log(f"  large upstream {r['op']:22s} {'ok' if r['ok'] else 'WRONG'} "
+                + " ".join(f"{k}={v}" for k, v in r.items() if k not in ("op", "impl", "ok", "seconds")))
+        remaining = remaining[len(done):]
+        if remaining and p.returncode != 0:
+            tail = (p.stderr or "").strip().splitlines()[-3:]
+            r = dict(op=remaining[0], impl="upstream", ok=False, crashed=True, error=" | ".join(tail)[-400:])
+            res["upstream"].append(r)
+            log(f"  large upstream {remaining[0]:22s} CRASHED: {r['error']}")
+            remaining = remaining[1:]
+        elif remaining:
+            break
+    partial.unlink(missing_ok=True)
+    return res
+
+
+def large_child(ops, out_file, shape):
+    device = setup()
+    with open(out_file, "a") as f:
+        for op in ops:
+            r = large_run("upstream", [op], device, lambda s: print(s, flush=True), shape)[0]
+            f.write(json.dumps(r) + "\n")
+            f.flush()
+
+
+# --- MegaBlocks layers ------------------------------------------------------------------------
+
+
+def layers(device, log, ffn_sizes=(14336, 1792), shape=None, pair=("ascend", "cuda")):
+    from megablocks.layers import moe as moe_mod  # noqa: PLC0415
+    from megablocks.layers.arguments import Arguments  # noqa: PLC0415
+    from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
+    from megablocks.layers.moe import MoE  # noqa: PLC0415
+    from megablocks_ascend.native import grouped_gemm as gg  # noqa: PLC0415
+
+    s = shape or SHAPES["mixtral"]
+    out = []
+    for ffn in ffn_sizes:
+        for cls in (MoE, dMoE):
+            torch.manual_seed(0)
+            args = Arguments(hidden_size=s["H"], ffn_hidden_size=ffn, moe_num_experts=s["E"], moe_top_k=s["k"],
+                             moe_capacity_factor=s["cf"], mlp_impl="grouped", bf16=True, fp16=False,
+                             return_bias=False,
+                             device=torch.cuda.current_device() if device.type == "cuda" else device)
+            layer = cls(args)
+            x = torch.randn(s["T"], 1, s["H"], device=device, dtype=torch.bfloat16, requires_grad=True)
+            g = torch.randn(s["T"], 1, s["H"], device=device, dtype=torch.bfloat16)
+            params = [x] + list(layer.parameters())
+
+            def step():
+                y = layer(x)
+                y.backward(g)
+                moe_mod.clear_load_balancing_loss()
+                return y
+
+            row = dict(layer=cls.__name__, ffn_hidden_size=ffn, T=s["T"], H=s["H"], E=s["E"], k=s["k"],
+                       cf=s["cf"])
+            outs = {}
+            for backend in pair:
+                old = os.environ.get("MEGABLOCKS_BACKEND")
+                # Backward runs on autograd's device thread, which does not see use_backend's
+                # context variable: record who served each call, with and without the env var.
+                with backends.trace() as calls, backends.use_backend(backend):
+                    for p in params:
+                        p.grad = None
+                    step()
+                row[f"{backend}_served_by_use_backend_only"] = sorted({f"{c.op}:{c.backend}" for c in calls})
+                os.environ["MEGABLOCKS_BACKEND"] = backend
+                try:
+                    with backends.use_backend(backend):
+                        with backends.trace() as calls:
+                            for p in params:
+                                p.grad = None
+                            y = step()
+                        outs[backend] = (y.detach().clone(), x.grad.detach().clone())
+                        row[f"{backend}_served"] = sorted({c.backend for c in calls})
+                        row[f"{backend}_ms"] = bench(step, device, grad_to_none=params)
+                finally:
+                    if old is None:
+                        os.environ.pop("MEGABLOCKS_BACKEND", None)
+                    else:
+                        os.environ["MEGABLOCKS_BACKEND"] = old
+            row["gmm_impl"] = gg.gmm_impl_name(torch.empty(1, 1, device=device, dtype=torch.bfloat16))
+            a, b = pair
+            row["out_rel_err"] = rel_err(outs[a][0], outs[b][0])
+            row["xgrad_rel_err"] = rel_err(outs[a][1], outs[b][1])
+            row["speedup"] = row[f"{b}_ms"] / row[f"{a}_ms"]
+            log(f"  layer {cls.__name__:5s} ffn={ffn:5d} {a} {row[f'{a}_ms']:8.3f} ms  {b} {row[f'{b}_ms']:8.3f} ms "
+                f" speedup {row['speedup']:.3f}x  out err {row['out_rel_err']:.1e} dx err {row['xgrad_rel_err']:.1e} "
+                f" served {row[f'{a}_served']}/{row[f'{b}_served']}; use_backend alone: "
+                f"{row[f'{a}_served_by_use_backend_only']}")
+            out.append(row)
+            del layer, x, g, params, outs
+            free(device)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Report
+
+
+def table(results):
+    lines = [f"{'op':22s} {'shape':8s} {'impl':9s} {'ms':>9s} {'GB/s':>7s} {'ceil':>6s} {'vs up':>7s}  ok"]
+    for r in results:
+        lines.append(f"{r['op']:22s} {r['shape']:8s} {r['impl']:9s} {r['ms']:9.4f} {r['GBps']:7.0f} "
+                     f"{r['frac_ceiling']:6.1%} {r['speedup_vs_upstream']:6.2f}x  {'ok' if r['check_ok'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def targets(results, layer_rows, large_shapes):
+    ours = [r for r in results if r["impl"] == "ours"]
+    t = {}
+    miss = [f"{r['op']}@{r['shape']} {r['frac_ceiling']:.1%}" for r in ours
+            if r["shape"] in large_shapes and r["frac_ceiling"] < 0.9]
+    t["ceiling_90pct_large_shapes"] = dict(met=not miss, misses=miss)
+    miss = [f"{r['op']}@{r['shape']} {r['speedup_vs_upstream']:.2f}x" for r in ours
+            if r["op"] in ("binned_scatter", "scatter") and r["speedup_vs_upstream"] < 3]
+    t["scatter_3x_upstream"] = dict(met=not miss, misses=miss)
+    miss = [f"{r['op']}@{r['shape']} {r['speedup_vs_upstream']:.2f}x" for r in ours if r["speedup_vs_upstream"] < 1]
+    t["never_slower_than_upstream"] = dict(met=not miss, misses=miss)
+    t["all_checks_pass"] = dict(met=all(r["check_ok"] for r in ours))
+    if layer_rows:
+        miss = [f"{r['layer']} ffn={r['ffn_hidden_size']} {r['speedup']:.3f}x" for r in layer_rows if r["speedup"] < 1.1]
+        t["layers_1.1x"] = dict(met=not miss, misses=miss)
+    return t
+
+
+def plot(results, ceiling, path):
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    shapes = list(dict.fromkeys(r["shape"] for r in results))
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(13, 3.6 * len(shapes)), squeeze=False)
+    colors = {"ours": "#1f77b4", "upstream": "#ff7f0e", "torch": "#7f7f7f"}
+    for ax, sname in zip(axes[:, 0], shapes):
+        rows = [r for r in results if r["shape"] == sname]
+        ops = list(dict.fromkeys(r["op"] for r in rows))
+        width = 0.27
+        for i, impl in enumerate(IMPLS):
+            vals = [next((r["frac_ceiling"] for r in rows if r["op"] == op and r["impl"] == impl), 0) for op in ops]
+            xs = [j + (i - 1) * width for j in range(len(ops))]
+            ax.bar(xs, vals, width, label=impl, color=colors[impl])
+            if impl == "ours":
+                for x_, v in zip(xs, vals):
+                    ax.text(x_, v + 0.01, f"{v:.0%}", ha="center", va="bottom", fontsize=7)
+        ax.axhline(0.9, color="k", ls="--", lw=0.8)
+        ax.set_xticks(range(len(ops)))
+        ax.set_xticklabels(ops, rotation=15, fontsize=8)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("fraction of copy ceiling")
+        ax.set_title(f"{sname}: {SHAPES.get(sname, QUICK_SHAPES.get(sname))}  (ceiling {ceiling:.0f} GB/s, "
+                     "minimal bytes)", fontsize=9)
+        ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment(device):
+    env = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join([Path(sys.executable).name] + sys.argv))
+    try:
+        import megablocks  # noqa: PLC0415
+        env["megablocks"] = getattr(megablocks, "__version__", "0.10.0")
+    except Exception as e:  # noqa: BLE001
+        env["megablocks"] = f"unavailable ({e})"
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(device=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda,
+                   memory_gib=round(p.total_memory / 2**30, 1),
+                   l2_mib=round(getattr(p, "L2_cache_size", 0) / 2**20, 1))
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception:  # noqa: BLE001
+            env["driver"] = "?"
+    else:
+        env.update(device=f"cpu ({platform.processor() or platform.machine()}), Triton interpreter")
+    return env
+
+
+def setup():
+    """The device to run on; on CPU, upstream's autotuned kernels narrowed to one config (the
+    interpreter cannot autotune)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        import megablocks.backend.kernels as k  # noqa: PLC0415
+        for autotuned in (k._padded_copy, k._padded_copy_wgrad, k._binned_copy, k._binned_copy_wgrad):
+            autotuned.configs = autotuned.configs[:1]
+    return device
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--name", default="bench_routing", help="basename of the JSON and PNG")
+    ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
+    ap.add_argument("--no-table", action="store_true", help="skip the main table")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--large", action="store_true")
+    ap.add_argument("--layers", action="store_true")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--large-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--large-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--large-shape", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.large_child:
+        large_child(args.large_child.split(","), args.large_out, json.loads(args.large_shape))
+        return 0
+
+    device = setup()
+    if device.type == "cpu" and not args.quick:
+        ap.error("without a GPU only --quick runs (Triton interpreter)")
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    env = environment(device)
+    log(f"environment: {json.dumps(env)}")
+    torch.manual_seed(0)
+    ceil = copy_ceiling(device, args.quick)
+    log(f"copy ceiling: {ceil['GBps']:.0f} GB/s ({ceil['bytes'] / 1e9:.2f} GB read+written in {ceil['ms']:.3f} ms)"
+        + (f"; op-sized copy ({ceil['op_sized']['bytes'] / 1e6:.0f} MB): {ceil['op_sized']['GBps']:.0f} GB/s"
+           if "op_sized" in ceil else ""))
+    report = {"environment": env, "copy_ceiling": ceil, "shapes": shapes,
+              "min_bytes_formulas": {
+                  "gather": "U*H*b + N*4 + E*4 [+E*4] read, R*H*b written",
+                  "scatter": "K*H*b + K*b + N*4 + E*4 [+E*4] read, T*H*b written",
+                  "wgrad": "K*H*b + U*H*b + N*4 + E*4 [+E*4] read, N*b written"}}
+    json_path = out_dir / f"{args.name}.json"
+
+    def save():
+        report["targets"] = targets(results, report.get("layers"), LARGE_SHAPES) if results else {}
+        json_path.write_text(json.dumps(report, indent=1))
+        (out_dir / f"{args.name}.log").write_text("\n".join(lines) + "\n")
+
+    results, checks = [], []
+    if not args.no_table:
+        results, checks = routing_table(shapes, device, ceil["GBps"], log)
+    report.update(results=results, checks=checks)
+    save()
+    if args.layers and device.type == "cuda":
+        report["layers"] = layers(device, log)
+        save()
+    if args.large and device.type == "cuda":
+        report["large"] = large(device, log, out_dir)
+        save()
+    if args.sweep and device.type == "cuda":
+        report["sweep"] = sweep(device, ceil["GBps"], log)
+        save()
+    if results and not args.no_plot:
+        try:
+            plot(results, ceil["GBps"], out_dir / f"{args.name}.png")
+        except ImportError as e:
+            log(f"(no plot: {e})")
+    if results:
+        log("")
+        log(f"copy ceiling {ceil['GBps']:.0f} GB/s; ms = median of do_bench; ceil = (minimal bytes / ms) / ceiling; "
+            "vs up = upstream ms / ms")
+        log(table(results))
+        for name, t in report["targets"].items():
+            log(f"target {name}: {'MET' if t['met'] else 'MISSED'} {t.get('misses', '')}")
+    log(f"wrote {json_path}")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Smoke test of benchmarks/bench_routing.py: --quick runs on CPU (Triton interpreter) and
+produces the table and the JSON. It measures nothing; the real numbers come from a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench_routing.py"
+
+
+def test_bench_routing_quick_cpu(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env.pop("OUT", None)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-plot", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+
+    ops = ("binned_gather", "binned_scatter", "binned_scatter_wgrad", "gather", "scatter", "scatter_wgrad",
+           "padded_gather", "padded_scatter", "padded_scatter_wgrad")
+    table = p.stdout[p.stdout.index("op                     shape"):]
+    for op in ops:
+        for impl in ("ours", "upstream", "torch"):
+            assert any(line.split()[:3] == [op, "quick", impl] for line in table.splitlines()), (op, impl)
+
+    report = json.loads((tmp_path / "bench_routing.json").read_text())
+    assert report["copy_ceiling"]["GBps"] > 0
+    assert {(r["op"], r["impl"]) for r in report["results"]} == {(o, i) for o in ops
+                                                                  for i in ("ours", "upstream", "torch")}
+    for r in report["results"]:
+        assert r["ms"] > 0 and r["min_bytes"] > 0
+    # Correctness of ours against upstream is checked before timing, at these tiny shapes too.
+    assert len(report["checks"]) == len(ops)
+    assert all(c["ok"] for c in report["checks"]), [c for c in report["checks"] if not c["ok"]]
+    assert set(report["targets"]) >= {"ceiling_90pct_large_shapes", "scatter_3x_upstream",
+                                      "never_slower_than_upstream", "all_checks_pass"}
