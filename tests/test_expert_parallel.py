@@ -95,8 +95,15 @@ def _worker(rank, port, layer_kind, backend):
             assert _rel(p.grad, expected) < 1e-5, name
         ops_seen = {c.op for c in calls}
         assert {"gather", "scatter"} <= ops_seen, ops_seen
+        # Rank 0 hosts the rendezvous store: nobody leaves before everybody is done with it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Every check passed. Leave without interpreter teardown: once, in a loaded clean-clone run,
+    # a rank aborted with "terminate called without an active exception" while the other rank was
+    # still running; the usual cause is a gloo thread still alive at process exit. Not reproduced
+    # since in repeated runs; the barrier above and this exit rule out the exit-time variant.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("backend", ["ascend", "torch"])
