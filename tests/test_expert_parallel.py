@@ -36,20 +36,25 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _worker(rank, port, layer_kind, backend):
-    os.environ["TRITON_INTERPRET"] = "1"
+def _worker(rank, port, layer_kind, backend, device_type="cpu", pg_backend="gloo"):
+    """One rank. Also run on GPUs (NCCL) by benchmarks/expert_parallel_check.py."""
+    if device_type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        torch.cuda.set_device(rank)
+    device = torch.device(device_type, rank) if device_type != "cpu" else torch.device("cpu")
     import megablocks_ascend  # noqa: PLC0415
     from megablocks.layers.arguments import Arguments  # noqa: PLC0415
     from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
     from megablocks.layers.moe import MoE, clear_load_balancing_loss  # noqa: PLC0415
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group(pg_backend, rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
     try:
         cls = MoE if layer_kind == "moe" else dMoE
         experts, hidden, ffn, top_k = 4, 16, 64, 2  # dMoE needs ffn * experts >= 128
         common = dict(hidden_size=hidden, ffn_hidden_size=ffn, moe_num_experts=experts, moe_top_k=top_k,
                       moe_capacity_factor=experts, mlp_impl="grouped", fp16=False, bf16=False,
-                      moe_loss_weight=0.0)
+                      moe_loss_weight=0.0, device=device)
         torch.manual_seed(0)
         full = cls(Arguments(**common))
         ep = cls(Arguments(**common, moe_expert_model_parallelism=True,
@@ -65,8 +70,8 @@ def _worker(rank, port, layer_kind, backend):
                 p.copy_(src)
 
         gen = torch.Generator().manual_seed(100 + rank)
-        x = torch.randn(6, 2, hidden, generator=gen)
-        g = torch.randn(6, 2, hidden, generator=gen)
+        x = torch.randn(6, 2, hidden, generator=gen).to(device)
+        g = torch.randn(6, 2, hidden, generator=gen).to(device)
 
         x_ep = x.clone().requires_grad_()
         with megablocks_ascend.use_backend(backend), megablocks_ascend.trace() as calls:
@@ -76,7 +81,7 @@ def _worker(rank, port, layer_kind, backend):
         assert calls and {c.backend for c in calls} == {backend}, calls
 
         x_ref = x.clone().requires_grad_()
-        with megablocks_ascend.use_backend("torch"):
+        with megablocks_ascend.use_backend("torch"):  # the reference: plain PyTorch, one process
             out_ref, bias_ref = full(x_ref)
             (out_ref + bias_ref).backward(g)
         clear_load_balancing_loss()
