@@ -54,7 +54,7 @@ _TILE_BYTES = {
 }
 _ROW_BYTES = 4 + 4 + 4 + 8  # slot/row int32, token int32, weight float32, row offset int64
 
-CUDA_PROGRAMS_PER_SM = 8
+CUDA_PROGRAMS_PER_SM = 16  # 16 programs x 4 warps: a full SM (64 warps); see docs/notes/h200-speed.md
 INTERPRETER_PROGRAMS = 4
 
 
@@ -117,7 +117,7 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
     """Sub-block rows and feature-tile width for a kernel of ``kind`` on ``device_target``."""
     if kind not in _TILE_BYTES:
         raise ValueError(f"unknown kernel kind {kind!r}")
-    es = torch.empty((), dtype=dtype).element_size()
+    es = dtype.itemsize  # (not torch.empty(...).element_size(): this runs on every launch)
     min_x = max(UB_BLOCK_BYTES // es, 1)
     hidden_pow2 = max(_next_pow2(hidden), min_x)
     if device_target == "npu":
@@ -129,7 +129,11 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
         return Tile(block_m, block_x)
     if device_target == "cuda":
         block_x = min(hidden_pow2, 16 * 128 // es)  # one 16-byte vector per thread of 4 warps
-        return Tile(4, block_x, num_warps=4)
+        # One row per sub-block for the kernels that hold float32 copies (scatter: top_k tiles and
+        # an accumulator; wgrad: two tiles and a product): fewer registers, so more programs per
+        # SM keep loads in flight. The gather keeps 4 rows (its padding-zeroing loop walks rows).
+        # Measured on an H200: docs/notes/h200-speed.md.
+        return Tile(4 if kind == "gather" else 1, block_x, num_warps=4)
     if device_target == "interpreter":
         return Tile(64, min(hidden_pow2, 256))
     raise ValueError(f"unknown target {device_target!r}")

@@ -359,15 +359,17 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
 
 
 def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k,
-                       capacity=0, tile=None, num_programs=None):
+                       capacity=0, tile=None, num_programs=None, slot_to_row=None):
     """:func:`gather_rows`' result, computed token-major: each token row is read once and written
-    to its ``top_k`` rows (after :func:`route_map`); rows no assignment lands on are zeroed."""
+    to its ``top_k`` rows (after :func:`route_map`, or the ``slot_to_row`` it returned for these
+    arguments); rows no assignment lands on are zeroed."""
     hidden = x.shape[1]
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
         return out
-    slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
-                            num_programs=num_programs)
+    if slot_to_row is None:
+        slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
+                                num_programs=num_programs)
     t = _tile("gather", x.dtype, hidden, x.device, tile)
     work = triton.cdiv(max(x.shape[0], num_rows if layout != DROPLESS else 0), t.block_m)
     _gather_tokens[_grid(x.device, work, num_programs)](
@@ -398,7 +400,12 @@ def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, n
     if n == 0:
         return slot_to_row
     if block_m is None:
-        block_m = 64 if indices.device.type == "cpu" else 128
+        if indices.device.type == "cuda":
+            # [block_m, BLOCK_E] int32 tiles of expert bounds: at 64 experts, 128 rows (8192
+            # elements, ~64 registers per thread per tile) cost an H200 ~10 us more than 32 rows.
+            block_m = max(16, min(128, 2048 // _block_e(bins.shape[0])))
+        else:
+            block_m = 64 if indices.device.type == "cpu" else 128
     _route_map[_grid(indices.device, triton.cdiv(n, block_m), num_programs)](
         indices, bins, padded_bins if padded_bins is not None else bins, slot_to_row,
         n, bins.shape[0], capacity,
@@ -483,6 +490,13 @@ def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, **launch):
 
 
 def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
+    if top_k > 1 and indices.shape[0] and padded_bins.numel():
+        # The route map goes to the device before the host waits for the output size, so only
+        # one launch follows the sync.
+        slot_to_row = route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
+        num_rows = int(padded_bins[-1].item())
+        return gather_tokens_rows(x, indices, bins, padded_bins, weights, layout=PADDED, top_k=top_k,
+                                  num_rows=num_rows, slot_to_row=slot_to_row, **launch)
     num_rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
     return _gather_any(x, indices, bins, padded_bins, weights, layout=PADDED, top_k=top_k,
                        num_rows=num_rows, **launch)
