@@ -16,9 +16,9 @@ There is no fallback: a backend that cannot run on the given tensors raises
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -34,24 +34,33 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot serve tensors on this device."""
 
 
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("megablocks_backend", default=None)
+# use_backend() overrides are process-wide, not per thread or context: on CUDA and NPU the
+# autograd engine runs backward passes on its own device threads, and a backward started inside a
+# use_backend() block must be served by the same backend as its forward.
+_overrides: list[str] = []
+_overrides_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Serve routing calls in this block with backend ``name`` (overrides ``MEGABLOCKS_BACKEND``)."""
+    """Serve routing calls made while this block runs with backend ``name``, overriding
+    ``MEGABLOCKS_BACKEND``. Process-wide (backward passes run by the autograd engine's threads
+    included), so do not run different backends from several threads at once."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; valid values are: {', '.join(BACKENDS)}")
-    token = _override.set(name)
+    with _overrides_lock:
+        _overrides.append(name)
+        depth = len(_overrides)
     try:
         yield
     finally:
-        _override.reset(token)
+        with _overrides_lock:
+            del _overrides[depth - 1:]
 
 
 def requested() -> str:
     """The backend asked for: the innermost :func:`use_backend`, else ``MEGABLOCKS_BACKEND``."""
-    return _override.get() or envs.backend()
+    return _overrides[-1] if _overrides else envs.backend()
 
 
 def resolve(device: torch.device) -> str:
@@ -158,12 +167,23 @@ def _implementation(name: str, backend: str) -> Callable:
     return _upstream(name)
 
 
+class _Depth(threading.local):
+    depth = 0
+
+
+_dispatching = _Depth()
+
+
 def _make_dispatcher(name: str) -> Callable:
     params, x_ndim, x_rows = SPECS[name]
     signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
 
     def dispatcher(*args, **kwargs):
         a = signature.bind(*args, **kwargs).arguments
+        if _dispatching.depth:
+            # Upstream's functions call their siblings by module-global name (scatter calls
+            # padded_scatter), which now finds this dispatcher: hand those straight to upstream.
+            return _upstream(name)(**a)
         x, indices, top_k = a["x"], a["indices"], a["top_k"]
         validation.check_routing(
             name, x=x, x_ndim=x_ndim, indices=indices, bins=a["bins"], top_k=top_k,
@@ -176,7 +196,11 @@ def _make_dispatcher(name: str) -> Callable:
         if backend == "ascend":
             a = {k: (v.contiguous() if k in _TENSOR_ARGS and v is not None else v) for k, v in a.items()}
         _record(name, backend, x.device)
-        return _implementation(name, backend)(**a)
+        _dispatching.depth += 1
+        try:
+            return _implementation(name, backend)(**a)
+        finally:
+            _dispatching.depth -= 1
 
     dispatcher.__name__ = dispatcher.__qualname__ = name
     dispatcher.__signature__ = signature

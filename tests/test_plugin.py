@@ -238,3 +238,37 @@ def test_every_patch_is_documented_in_patches_folder():
         for heading in ("## Why", "## How", "## Upstream fix", "## Tests"):
             assert heading in text, (patch.name, heading)
         assert f"[{patch.name}]" in index
+
+
+def test_use_backend_also_serves_backward_run_by_another_thread():
+    """On CUDA and NPU the autograd engine runs backward on its own threads: the override must
+    reach them (seen on an H200: without this, backward fell back to MEGABLOCKS_BACKEND)."""
+    import threading
+
+    seen = []
+    with megablocks_ascend.use_backend("ascend"):
+        t = threading.Thread(target=lambda: seen.append(megablocks_ascend.requested()))
+        t.start()
+        t.join()
+    assert seen == ["ascend"]
+
+
+def test_upstream_calling_its_siblings_is_not_dispatched_twice(monkeypatch):
+    """Upstream's scatter() calls padded_scatter() by module-global name, which is our dispatcher
+    after patching; that inner call must go straight to upstream, unrecorded and unvalidated."""
+    inner = []
+
+    def fake_upstream_scatter(x, indices, bin_ids, weights, bins, top_k):
+        return upstream_kernels.padded_scatter(x, indices, bin_ids, weights, bins, bins, top_k)
+
+    def fake_upstream_padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k):
+        inner.append("padded_scatter")
+        return x[: indices.shape[0] // top_k]
+
+    monkeypatch.setitem(backends.UPSTREAM, "scatter", fake_upstream_scatter)
+    monkeypatch.setitem(backends.UPSTREAM, "padded_scatter", fake_upstream_padded_scatter)
+    monkeypatch.setattr(backends, "resolve", lambda device: "cuda")
+    indices, bin_ids, bins = _routing()
+    with megablocks_ascend.trace() as calls:
+        backends.KERNELS["scatter"](torch.randn(12, 8), indices, bin_ids, None, bins, 2)
+    assert [c.op for c in calls] == ["scatter"] and inner == ["padded_scatter"]
