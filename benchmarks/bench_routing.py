@@ -626,8 +626,8 @@ def layers(device, log, ffn_sizes=(14336, 1792), shape=None, pair=("ascend", "cu
             outs = {}
             for backend in pair:
                 old = os.environ.get("MEGABLOCKS_BACKEND")
-                # Backward runs on autograd's device thread, which does not see use_backend's
-                # context variable: record who served each call, with and without the env var.
+                # Backward runs on autograd's device threads: record who served each call with
+                # use_backend alone (it was thread-local before ea7ba47), then time with the env var too.
                 with backends.trace() as calls, backends.use_backend(backend):
                     for p in params:
                         p.grad = None
@@ -712,34 +712,40 @@ def targets(results, layer_rows, large_shapes):
 
 
 def plot(results, ceiling, path):
+    """Fraction of the copy ceiling per op: do_bench (left) and CUDA-graph device time (right)."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     shapes = list(dict.fromkeys(r["shape"] for r in results))
-    fig, axes = plt.subplots(len(shapes), 1, figsize=(13, 3.6 * len(shapes)), squeeze=False)
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(18, 3.8 * len(shapes)), squeeze=False)
     colors = {"ours": "#1f77b4", "upstream": "#ff7f0e", "torch": "#7f7f7f"}
-    for ax, sname in zip(axes[:, 0], shapes):
+    for row, sname in enumerate(shapes):
         rows = [r for r in results if r["shape"] == sname]
         ops = list(dict.fromkeys(r["op"] for r in rows))
-        width = 0.27
-        for i, impl in enumerate(IMPLS):
-            vals = [next((r["frac_ceiling"] for r in rows if r["op"] == op and r["impl"] == impl), 0) for op in ops]
-            xs = [j + (i - 1) * width for j in range(len(ops))]
-            ax.bar(xs, vals, width, label=impl, color=colors[impl])
-            if impl == "ours":
-                for x_, v in zip(xs, vals):
-                    ax.text(x_, v + 0.01, f"{v:.0%}", ha="center", va="bottom", fontsize=7)
-        ax.axhline(0.9, color="k", ls="--", lw=0.8)
-        ax.set_xticks(range(len(ops)))
-        ax.set_xticklabels(ops, rotation=15, fontsize=8)
-        ax.set_ylim(0, 1.1)
-        ax.set_ylabel("fraction of copy ceiling")
-        ax.set_title(f"{sname}: {SHAPES.get(sname, QUICK_SHAPES.get(sname))}  (ceiling {ceiling:.0f} GB/s, "
-                     "minimal bytes)", fontsize=9)
-        ax.legend(fontsize=8, loc="upper right")
+        for col, (key, label) in enumerate((("frac_ceiling", "do_bench (host launch + device)"),
+                                            ("graph_frac_ceiling", "device time (CUDA-graph replay)"))):
+            ax = axes[row, col]
+            width = 0.27
+            for i, impl in enumerate(IMPLS):
+                vals = [next((r.get(key) or 0 for r in rows if r["op"] == op and r["impl"] == impl), 0)
+                        for op in ops]
+                xs = [j + (i - 1) * width for j in range(len(ops))]
+                ax.bar(xs, vals, width, label=impl, color=colors[impl])
+                if impl == "ours":
+                    for x_, v in zip(xs, vals):
+                        if v:
+                            ax.text(x_, v + 0.01, f"{v:.0%}", ha="center", va="bottom", fontsize=7)
+            ax.axhline(0.9, color="k", ls="--", lw=0.8)
+            ax.set_xticks(range(len(ops)))
+            ax.set_xticklabels([o.replace("_scatter_wgrad", "_wgrad") for o in ops], rotation=20, fontsize=8)
+            ax.set_ylim(0, 1.1)
+            ax.set_ylabel("fraction of copy ceiling")
+            shape = SHAPES.get(sname, QUICK_SHAPES.get(sname))
+            ax.set_title(f"{sname} {shape}: {label}; ceiling {ceiling:.0f} GB/s, minimal bytes", fontsize=9)
+            ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -854,8 +860,8 @@ def main(argv=None):
     if results and not args.no_plot:
         try:
             plot(results, ceil["GBps"], out_dir / f"{args.name}.png")
-        except ImportError as e:
-            log(f"(no plot: {e})")
+        except Exception as e:  # noqa: BLE001  (the numbers are in the JSON either way)
+            log(f"(no plot: {type(e).__name__}: {e})")
     if results:
         log("")
         log(f"copy ceiling {ceil['GBps']:.0f} GB/s; ms = median of do_bench (host launch + device); graph ms = "
