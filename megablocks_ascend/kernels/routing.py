@@ -142,10 +142,11 @@ def _gather_tokens(
         for k in tl.static_range(TOP_K):
             row = tl.load(slot_to_row + tokens * TOP_K + k, mask=in_tokens, other=-1)
             used = used | (in_tokens & (row >= 0) & (row < num_rows))
+        src_tokens = tl.where(in_tokens, tokens, 0)
         if INT64:
-            src = tokens.to(tl.int64) * hidden
+            src = src_tokens.to(tl.int64) * hidden
         else:
-            src = tokens * hidden
+            src = src_tokens * hidden
         for x0 in range(0, hidden, BLOCK_X):
             c = x0 + cols
             c_mask = c < hidden
@@ -154,7 +155,10 @@ def _gather_tokens(
                 slot = tokens * TOP_K + k
                 row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
                 valid = in_tokens & (row >= 0) & (row < num_rows)
-                row = tl.where(valid, row, 0)  # clamped, not only masked (see _gather)
+                # Dropped slots write to the spare row num_rows (allocated, never read) instead of
+                # being masked: a row mask computed from loaded data makes triton-ascend store
+                # element by element, while a column-only mask keeps one DMA per row.
+                row = tl.where(valid, row, num_rows)
                 if INT64:
                     dst = row.to(tl.int64) * hidden
                 else:
@@ -164,7 +168,7 @@ def _gather_tokens(
                     value = (tile.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
                 else:
                     value = tile
-                tl.store(out + dst[:, None] + c[None, :], value, mask=valid[:, None] & c_mask[None, :])
+                tl.store(out + dst[:, None] + c[None, :], value, mask=c_mask[None, :])
     # Rows no assignment lands on (padding, unused capacity) are written as zeros.
     if LAYOUT != _DROPLESS:
         e = tl.arange(0, BLOCK_E)
@@ -194,13 +198,14 @@ def _gather_tokens(
             valid = valid & (slot >= 0) & (slot < num_positions)
             pad = in_rows & (valid == 0)
             if tl.sum(pad.to(tl.int32), axis=0) > 0:
+                dst_rows = tl.where(pad, rows, num_rows)  # the spare row again, not a row mask
                 if INT64:
-                    dst = rows.to(tl.int64) * hidden
+                    dst = dst_rows.to(tl.int64) * hidden
                 else:
-                    dst = rows * hidden
+                    dst = dst_rows * hidden
                 for x0 in range(0, hidden, BLOCK_X):
                     c = x0 + cols
-                    tl.store(out + dst[:, None] + c[None, :], zeros, mask=pad[:, None] & (c < hidden)[None, :])
+                    tl.store(out + dst[:, None] + c[None, :], zeros, mask=(c < hidden)[None, :])
 
 
 @kernel
@@ -364,7 +369,9 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
     to its ``top_k`` rows (after :func:`route_map`, or the ``slot_to_row`` it returned for these
     arguments); rows no assignment lands on are zeroed."""
     hidden = x.shape[1]
-    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    # One spare row at the end takes the writes of dropped slots and padding (see _gather_tokens).
+    buffer = torch.empty((num_rows + 1, hidden), dtype=x.dtype, device=x.device)
+    out = buffer[:num_rows]
     if num_rows == 0 or hidden == 0:
         return out
     if slot_to_row is None:
@@ -373,11 +380,11 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
     t = _tile("gather", x.dtype, hidden, x.device, tile)
     work = triton.cdiv(max(x.shape[0], num_rows if layout != DROPLESS else 0), t.block_m)
     _gather_tokens[_grid(x.device, work, num_programs)](
-        x, out, slot_to_row, indices, bins, padded_bins if padded_bins is not None else bins,
+        x, buffer, slot_to_row, indices, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else x,
         x.shape[0], num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
         LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
-        INT64=_needs_int64(x.numel(), out.numel()),
+        INT64=_needs_int64(x.numel(), buffer.numel()),
         BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
