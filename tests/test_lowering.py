@@ -50,14 +50,18 @@ def test_table_names_match_kernel_signature(spec):
 
 def _index_ptrs(name):
     return {"_gather": {"indices", "bins", "padded_bins"},
-            "_gather_tokens": {"slot_to_row", "indices", "bins", "padded_bins"}, "_route_map": {"indices", "bins", "padded_bins",
-            "slot_to_row"}, "_scatter": {"slot_to_row"}, "_wgrad": {"slot_to_row"}}[name]
+            "_gather_tokens": {"slot_to_row", "indices", "bins", "padded_bins"},
+            "_route_map": {"indices", "bins", "padded_bins", "slot_to_row"},
+            "_scatter": {"slot_to_row"},
+            "_scatter_one": {"indices", "bins", "padded_bins"},
+            "_wgrad": {"indices", "bins", "padded_bins"}}[name]
 
 
 def test_table_axes_cover_every_value():
     by_name = {s.name: s for s in lowering.KERNELS}
     assert set(by_name["_gather"].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
-    assert set(by_name["_route_map"].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
+    for name in ("_route_map", "_scatter_one", "_wgrad", "_gather_tokens"):
+        assert set(by_name[name].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
     for spec in lowering.KERNELS:
         for flag in ("SCALE", "INT64"):
             if flag in spec.axes:
@@ -122,7 +126,13 @@ def _launcher_calls(monkeypatch, int64):
                                      capacity=n, tile=tiles["gather"], num_programs=1)
                     routing.scatter_rows(y, s2r, weights, num_tokens=tokens, top_k=top_k,
                                          tile=tiles["scatter"], num_programs=1)
-                routing.wgrad_rows(y, x, s2r, top_k=top_k, tile=tiles["wgrad"], num_programs=1)
+                    for layout in lowering.LAYOUTS:
+                        if top_k == 1:
+                            routing.scatter_one_rows(y, indices, bins, bins, weights, layout=layout, capacity=n,
+                                                     tile=tiles["gather"], num_programs=1)
+                for layout in lowering.LAYOUTS:
+                    routing.wgrad_positions(y, x, indices, bins, bins, layout=layout, top_k=top_k, capacity=n,
+                                            tile=tiles["wgrad"], num_programs=1)
                 yield dname, hidden, calls
                 calls.clear()
     for layout in lowering.LAYOUTS:

@@ -58,6 +58,58 @@ from megablocks_ascend.compat import kernel
 DROPLESS, PADDED, BINNED = 0, 1, 2
 # Triton kernels may only read globals that are tl.constexpr; the launchers use the ints above.
 _DROPLESS, _PADDED = tl.constexpr(DROPLESS), tl.constexpr(PADDED)
+_BIG = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT: tl.constexpr):
+    """``(ends, pends)``: where each expert's sorted positions end (``bins``) and where its row
+    segment of the buffer ends (``padded_bins``, or ``(e + 1) * capacity`` when binned)."""
+    ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
+    if LAYOUT == _PADDED:
+        pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
+    else:
+        pends = (e + 1) * capacity
+    return ends, pends
+
+
+@triton.jit
+def _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The buffer row of each sorted position, and whether it is kept (not dropped, inside bins).
+
+    Experts whose positions end at or before ``pos`` come before it; ``bins`` and the segment
+    ends are non-decreasing, so the max / min over those sets pick expert ``e - 1`` and ``e``."""
+    big = tl.full((BLOCK_M, BLOCK_E), _BIG, tl.int32)
+    zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+    before = (ends[None, :] <= pos[:, None]) & e_mask[None, :]
+    after = (ends[None, :] > pos[:, None]) & e_mask[None, :]
+    pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
+    seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
+    seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
+    row = seg_start + (pos - pos_start)
+    # A position past bins[-1] has no expert (after is empty, seg_end stays big).
+    keep = in_pos & (row < seg_end) & (seg_end < _BIG)
+    return row, keep
+
+
+@triton.jit
+def _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions,
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The sorted position feeding each buffer row, clamped to 0 where there is none (padding,
+    unused capacity), and whether there is one."""
+    big = tl.full((BLOCK_M, BLOCK_E), _BIG, tl.int32)
+    zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+    before = (pends[None, :] <= rows[:, None]) & e_mask[None, :]
+    after = (pends[None, :] > rows[:, None]) & e_mask[None, :]
+    seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
+    pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
+    seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
+    pos_end = tl.min(tl.where(after, ends[None, :], big), axis=1)
+    pos = pos_start + (rows - seg_start)
+    valid = in_rows & (rows < seg_end) & (pos < pos_end) & (pos < num_positions)
+    # Loads through computed offsets are clamped to valid addresses, not just masked:
+    # triton-ascend 3.2 may issue a masked-out data-dependent load (triton-ascend#2332).
+    return tl.where(valid, pos, 0), valid
 _INT32_LIMIT = 2**31
 
 
@@ -75,13 +127,7 @@ def _gather(
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
     if LAYOUT != _DROPLESS:
-        ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
-        if LAYOUT == _PADDED:
-            pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
-        else:
-            pends = (e + 1) * capacity
-        big = tl.full((BLOCK_M, BLOCK_E), 2147483647, tl.int32)
-        zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
     for blk in range(pid, tl.cdiv(num_rows, BLOCK_M), npg):
         rows = blk * BLOCK_M + m
         in_rows = rows < num_rows
@@ -89,19 +135,7 @@ def _gather(
             pos = rows
             valid = in_rows
         else:
-            # Experts whose row segment ends at or before this row come before it.
-            # (bins and padded_bins are non-decreasing, so max/min over these sets pick e-1 and e).
-            before = (pends[None, :] <= rows[:, None]) & e_mask[None, :]
-            after = (pends[None, :] > rows[:, None]) & e_mask[None, :]
-            seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
-            pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
-            seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
-            pos_end = tl.min(tl.where(after, ends[None, :], big), axis=1)
-            pos = pos_start + (rows - seg_start)
-            valid = in_rows & (rows < seg_end) & (pos < pos_end) & (pos < num_positions)
-            # Loads through computed offsets are clamped to valid addresses, not just masked:
-            # triton-ascend 3.2 may issue a masked-out data-dependent load (triton-ascend#2332).
-            pos = tl.where(valid, pos, 0)
+            pos, valid = _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions, BLOCK_M, BLOCK_E)
         slot = tl.load(indices + pos, mask=valid, other=0).to(tl.int32)
         valid = valid & (slot >= 0) & (slot < num_positions)
         slot = tl.where(valid, slot, 0)
@@ -173,27 +207,12 @@ def _gather_tokens(
     if LAYOUT != _DROPLESS:
         e = tl.arange(0, BLOCK_E)
         e_mask = e < num_experts
-        ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
-        if LAYOUT == _PADDED:
-            pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
-        else:
-            pends = (e + 1) * capacity
-        big = tl.full((BLOCK_M, BLOCK_E), 2147483647, tl.int32)
-        zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
         zeros = tl.zeros((BLOCK_M, BLOCK_X), out.dtype.element_ty)
         for blk in range(pid, tl.cdiv(num_rows, BLOCK_M), npg):
             rows = blk * BLOCK_M + m
             in_rows = rows < num_rows
-            # The row -> position map of _gather.
-            before = (pends[None, :] <= rows[:, None]) & e_mask[None, :]
-            after = (pends[None, :] > rows[:, None]) & e_mask[None, :]
-            seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
-            pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
-            seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
-            pos_end = tl.min(tl.where(after, ends[None, :], big), axis=1)
-            pos = pos_start + (rows - seg_start)
-            valid = in_rows & (rows < seg_end) & (pos < pos_end) & (pos < num_positions)
-            pos = tl.where(valid, pos, 0)  # clamped, not only masked (see _gather)
+            pos, valid = _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions, BLOCK_M, BLOCK_E)
             slot = tl.load(indices + pos, mask=valid, other=-1).to(tl.int32)
             valid = valid & (slot >= 0) & (slot < num_positions)
             pad = in_rows & (valid == 0)
@@ -220,13 +239,7 @@ def _route_map(
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
     if LAYOUT != _DROPLESS:
-        ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
-        if LAYOUT == _PADDED:
-            pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
-        else:
-            pends = (e + 1) * capacity
-        big = tl.full((BLOCK_M, BLOCK_E), 2147483647, tl.int32)
-        zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
     for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
         pos = blk * BLOCK_M + m
         in_pos = pos < num_positions
@@ -234,15 +247,7 @@ def _route_map(
             row = pos
             keep = in_pos
         else:
-            # Experts whose positions end at or before this position come before it.
-            before = (ends[None, :] <= pos[:, None]) & e_mask[None, :]
-            after = (ends[None, :] > pos[:, None]) & e_mask[None, :]
-            pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
-            seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
-            seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
-            row = seg_start + (pos - pos_start)
-            # A position past bins[-1] has no expert (after is empty, seg_end stays big).
-            keep = in_pos & (row < seg_end) & (seg_end < 2147483647)
+            row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
         slot = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
         ok = in_pos & (slot >= 0) & (slot < num_positions)
         tl.store(slot_to_row + slot, tl.where(keep, row, -1), mask=ok)
@@ -274,7 +279,7 @@ def _scatter(
                 slot = tokens * TOP_K + k
                 row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
                 valid = in_tokens & (row >= 0) & (row < num_rows)
-                row = tl.where(valid, row, 0)  # clamped, not only masked (see _gather)
+                row = tl.where(valid, row, 0)  # clamped, not only masked (see _position_of_row)
                 if INT64:
                     src = row.to(tl.int64) * hidden
                 else:
@@ -289,23 +294,82 @@ def _scatter(
 
 
 @kernel
-def _wgrad(
-    y, grad, out, slot_to_row,
-    num_slots, num_rows, hidden,
-    TOP_K: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr,
+def _scatter_one(
+    y, out, indices, bins, padded_bins, weights,
+    num_positions, num_experts, num_rows, hidden, capacity,
+    LAYOUT: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
+    # top_k == 1: every token has exactly one position, so position-major writes never collide
+    # and no inverse map is needed (one launch). A dropped position writes its token's zeros.
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_X)
-    for blk in range(pid, tl.cdiv(num_slots, BLOCK_M), npg):
-        slots = blk * BLOCK_M + m
-        in_slots = slots < num_slots
-        row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
-        valid = in_slots & (row >= 0) & (row < num_rows)
-        row = tl.where(valid, row, 0)  # clamped, not only masked (see _gather)
-        token = tl.where(valid, slots, 0) // TOP_K
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < num_experts
+    if LAYOUT != _DROPLESS:
+        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
+    for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
+        pos = blk * BLOCK_M + m
+        in_pos = pos < num_positions
+        if LAYOUT == _DROPLESS:
+            row = pos
+            keep = in_pos
+        else:
+            row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
+        token = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
+        ok = in_pos & (token >= 0) & (token < num_positions)
+        valid = keep & ok & (row >= 0) & (row < num_rows)
+        row = tl.where(valid, row, 0)
+        token = tl.where(ok, token, num_positions)  # positions without a token: the spare row
+        if SCALE:
+            scale = tl.load(weights + tl.where(valid, token, 0), mask=valid, other=0).to(tl.float32)
+        if INT64:
+            src = row.to(tl.int64) * hidden
+            dst = token.to(tl.int64) * hidden
+        else:
+            src = row * hidden
+            dst = token * hidden
+        for x0 in range(0, hidden, BLOCK_X):
+            c = x0 + cols
+            c_mask = c < hidden
+            tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+            if SCALE:
+                tile = tile.to(tl.float32) * scale[:, None]
+            tl.store(out + dst[:, None] + c[None, :], tile.to(out.dtype.element_ty), mask=c_mask[None, :])
+
+
+@kernel
+def _wgrad(
+    y, grad, out, indices, bins, padded_bins,
+    num_positions, num_experts, num_rows, hidden, capacity,
+    LAYOUT: tl.constexpr, TOP_K: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # Position-major: buffer rows are read in order, each slot is written once (indices is a
+    # permutation), and no inverse map is needed (one launch).
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_X)
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < num_experts
+    if LAYOUT != _DROPLESS:
+        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
+    for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
+        pos = blk * BLOCK_M + m
+        in_pos = pos < num_positions
+        if LAYOUT == _DROPLESS:
+            row = pos
+            keep = in_pos
+        else:
+            row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
+        slot = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
+        ok = in_pos & (slot >= 0) & (slot < num_positions)
+        valid = keep & ok & (row >= 0) & (row < num_rows)
+        row = tl.where(valid, row, 0)  # clamped, not only masked (see _position_of_row)
+        token = tl.where(valid, slot, 0) // TOP_K
         if INT64:
             src = row.to(tl.int64) * hidden
             gsrc = token.to(tl.int64) * hidden
@@ -319,7 +383,8 @@ def _wgrad(
             a = tl.load(y + src[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             b = tl.load(grad + gsrc[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             acc += a * b
-        tl.store(out + slots, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=in_slots)
+        # Positions without a slot write to the spare element num_positions.
+        tl.store(out + tl.where(ok, slot, num_positions), tl.sum(acc, axis=1).to(out.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,22 +503,56 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
     return out
 
 
-def wgrad_rows(y, grad, slot_to_row, *, top_k, tile=None, num_programs=None):
-    """``out[a] = <y[slot_to_row[a]], grad[a // top_k]>`` in float32 (0 where dropped)."""
+def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity=0, tile=None,
+                     num_programs=None):
+    """top_k == 1: ``out[indices[p]] = weights[indices[p]] * y[row(p)]`` (0 where dropped), one launch."""
     hidden = y.shape[-1]
     y = y.reshape(-1, hidden)
-    n = slot_to_row.shape[0]
-    out = torch.empty(n, dtype=y.dtype, device=y.device)
+    n = indices.shape[0]
+    buffer = torch.empty((n + 1, hidden), dtype=y.dtype, device=y.device)  # + the spare row
+    out = buffer[:n]
+    if n == 0 or hidden == 0:
+        return out
+    t = _tile("gather", y.dtype, hidden, y.device, tile)
+    _scatter_one[_grid(y.device, triton.cdiv(n, t.block_m), num_programs)](
+        y, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
+        weights if weights is not None else y,
+        n, bins.shape[0], y.shape[0], hidden, capacity,
+        LAYOUT=layout, SCALE=weights is not None, INT64=_needs_int64(y.numel(), buffer.numel()),
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+    )
+    return out
+
+
+def _scatter_any(y, indices, bins, padded_bins, weights, *, layout, top_k, capacity=0, **launch):
+    """Position-major in one launch when each token has one slot (:func:`scatter_one_rows`);
+    token-major after the inverse map otherwise (:func:`route_map`, :func:`scatter_rows`)."""
+    if top_k == 1:
+        return scatter_one_rows(y, indices, bins, padded_bins, weights, layout=layout, capacity=capacity,
+                                **launch)
+    slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
+                            num_programs=launch.get("num_programs"))
+    return scatter_rows(y, slot_to_row, weights, num_tokens=indices.shape[0] // top_k, top_k=top_k, **launch)
+
+
+def wgrad_positions(y, grad, indices, bins, padded_bins, *, layout, top_k, capacity=0, tile=None,
+                    num_programs=None):
+    """``out[indices[p]] = <y[row(p)], grad[indices[p] // top_k]>`` in float32 (0 where dropped)."""
+    hidden = y.shape[-1]
+    y = y.reshape(-1, hidden)
+    n = indices.shape[0]
+    buffer = torch.empty(n + 1, dtype=y.dtype, device=y.device)  # + the spare element
+    out = buffer[:n]
     if n == 0:
         return out
     if hidden == 0:
         return out.zero_()
     t = _tile("wgrad", y.dtype, hidden, y.device, tile)
     _wgrad[_grid(y.device, triton.cdiv(n, t.block_m), num_programs)](
-        y, grad, out, slot_to_row,
-        n, y.shape[0], hidden,
-        TOP_K=top_k, INT64=_needs_int64(y.numel(), grad.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, num_warps=t.num_warps,
+        y, grad, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
+        n, bins.shape[0], y.shape[0], hidden, capacity,
+        LAYOUT=layout, TOP_K=top_k, INT64=_needs_int64(y.numel(), grad.numel()),
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
@@ -469,16 +568,13 @@ def binned_gather(x, indices, weights, bins, expert_capacity, top_k, **launch):
 
 
 def binned_scatter(x, indices, weights, bins, top_k, **launch):
-    num_experts, capacity, _ = x.shape
-    slot_to_row = route_map(indices, bins, None, layout=BINNED, capacity=capacity,
-                            num_programs=launch.get("num_programs"))
-    return scatter_rows(x, slot_to_row, weights, num_tokens=indices.shape[0] // top_k, top_k=top_k, **launch)
+    return _scatter_any(x, indices, bins, None, weights, layout=BINNED, top_k=top_k, capacity=x.shape[1],
+                        **launch)
 
 
 def binned_scatter_wgrad(x, grad, indices, bins, top_k, **launch):
-    slot_to_row = route_map(indices, bins, None, layout=BINNED, capacity=x.shape[1],
-                            num_programs=launch.get("num_programs"))
-    return wgrad_rows(x, grad, slot_to_row, top_k=top_k, **launch)
+    return wgrad_positions(x, grad, indices, bins, None, layout=BINNED, top_k=top_k, capacity=x.shape[1],
+                           **launch)
 
 
 def gather(x, indices, bin_ids, weights, bins, top_k, **launch):
@@ -487,13 +583,11 @@ def gather(x, indices, bin_ids, weights, bins, top_k, **launch):
 
 
 def scatter(x, indices, bin_ids, weights, bins, top_k, **launch):
-    slot_to_row = route_map(indices, bins, None, layout=DROPLESS, num_programs=launch.get("num_programs"))
-    return scatter_rows(x, slot_to_row, weights, num_tokens=indices.shape[0] // top_k, top_k=top_k, **launch)
+    return _scatter_any(x, indices, bins, None, weights, layout=DROPLESS, top_k=top_k, **launch)
 
 
 def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, **launch):
-    slot_to_row = route_map(indices, bins, None, layout=DROPLESS, num_programs=launch.get("num_programs"))
-    return wgrad_rows(x, grad, slot_to_row, top_k=top_k, **launch)
+    return wgrad_positions(x, grad, indices, bins, None, layout=DROPLESS, top_k=top_k, **launch)
 
 
 def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
@@ -510,10 +604,8 @@ def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **laun
 
 
 def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
-    slot_to_row = route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
-    return scatter_rows(x, slot_to_row, weights, num_tokens=indices.shape[0] // top_k, top_k=top_k, **launch)
+    return _scatter_any(x, indices, bins, padded_bins, weights, layout=PADDED, top_k=top_k, **launch)
 
 
 def padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k, **launch):
-    slot_to_row = route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
-    return wgrad_rows(x, grad, slot_to_row, top_k=top_k, **launch)
+    return wgrad_positions(x, grad, indices, bins, padded_bins, layout=PADDED, top_k=top_k, **launch)
