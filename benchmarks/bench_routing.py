@@ -473,7 +473,10 @@ def host_overhead(device, log):
     t = devices.tile("scatter", d.dtype, d.H, devices.target(device))
     n = devices.num_programs(device, 10**9)
     cases = {
-        "ours scatter (route_map + _scatter)": lambda: routing.scatter(d.y_drop, d.indices, d.bin_ids, d.w, d.bins, 1),
+        "ours scatter (k=1: _scatter_one, one launch)": lambda: routing.scatter(d.y_drop, d.indices, d.bin_ids, d.w,
+                                                                                d.bins, 1),
+        "ours scatter_wgrad (_wgrad, one launch)": lambda: routing.scatter_wgrad(d.y_drop, d.x, d.indices, d.bin_ids,
+                                                                              d.bins, 1),
         "ours route_map alone": lambda: routing.route_map(d.indices, d.bins, None, layout=routing.DROPLESS),
         "ours scatter_rows alone": lambda: routing.scatter_rows(d.y_drop, s2r, d.w, num_tokens=d.T, top_k=1),
         "ours scatter_rows, tile+grid given": lambda: routing.scatter_rows(d.y_drop, s2r, d.w, num_tokens=d.T,
