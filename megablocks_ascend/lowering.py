@@ -108,7 +108,10 @@ KERNELS = (
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
                ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("y", "out", "weights"), True),
     KernelSpec("_wgrad", "wgrad",
-               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS, INT64=BOOLS),
+               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, INT64=BOOLS),
+               ("BLOCK_M", "BLOCK_X"), ("y", "grad", "out"), True),
+    KernelSpec("_wgrad_one", "wgrad",
+               dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, INT64=BOOLS),
                ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("y", "grad", "out"), True),
 )
 
@@ -159,13 +162,13 @@ def _scalars(spec: KernelSpec, axes: dict) -> dict:
         return dict(num_positions=n, num_experts=EXPERTS, capacity=capacity)
     if spec.name == "_scatter":
         return dict(num_tokens=TOKENS, num_rows=n, hidden=hidden)
-    if spec.name == "_scatter_one":
+    if spec.name in ("_scatter_one", "_wgrad_one"):
         n1 = TOKENS  # top_k == 1
         capacity1 = n1 // EXPERTS if layout == 2 else 0
         rows1 = {0: n1, 1: n1 + PADDED_EXTRA, 2: EXPERTS * capacity1}[layout]
         return dict(num_positions=n1, num_experts=EXPERTS, num_rows=rows1, hidden=hidden, capacity=capacity1)
     if spec.name == "_wgrad":
-        return dict(num_positions=n, num_experts=EXPERTS, num_rows=num_rows, hidden=hidden, capacity=capacity)
+        return dict(num_slots=n, num_rows=n, hidden=hidden)
     raise KeyError(spec.name)
 
 

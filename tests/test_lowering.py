@@ -54,13 +54,14 @@ def _index_ptrs(name):
             "_route_map": {"indices", "bins", "padded_bins", "slot_to_row"},
             "_scatter": {"slot_to_row"},
             "_scatter_one": {"indices", "bins", "padded_bins"},
-            "_wgrad": {"indices", "bins", "padded_bins"}}[name]
+            "_wgrad": {"slot_to_row"},
+            "_wgrad_one": {"indices", "bins", "padded_bins"}}[name]
 
 
 def test_table_axes_cover_every_value():
     by_name = {s.name: s for s in lowering.KERNELS}
     assert set(by_name["_gather"].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
-    for name in ("_route_map", "_scatter_one", "_wgrad", "_gather_tokens"):
+    for name in ("_route_map", "_scatter_one", "_wgrad_one", "_gather_tokens"):
         assert set(by_name[name].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
     for spec in lowering.KERNELS:
         for flag in ("SCALE", "INT64"):
@@ -130,9 +131,11 @@ def _launcher_calls(monkeypatch, int64):
                         if top_k == 1:
                             routing.scatter_one_rows(y, indices, bins, bins, weights, layout=layout, capacity=n,
                                                      tile=tiles["gather"], num_programs=1)
-                for layout in lowering.LAYOUTS:
-                    routing.wgrad_positions(y, x, indices, bins, bins, layout=layout, top_k=top_k, capacity=n,
-                                            tile=tiles["wgrad"], num_programs=1)
+                routing.wgrad_rows(y, x, s2r, top_k=top_k, tile=tiles["wgrad"], num_programs=1)
+                if top_k == 1:
+                    for layout in lowering.LAYOUTS:
+                        routing.wgrad_one_rows(y, x, indices, bins, bins, layout=layout, capacity=n,
+                                               tile=tiles["wgrad"], num_programs=1)
                 yield dname, hidden, calls
                 calls.clear()
     for layout in lowering.LAYOUTS:
