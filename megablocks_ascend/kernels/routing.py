@@ -110,6 +110,24 @@ def _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions,
     # Loads through computed offsets are clamped to valid addresses, not just masked:
     # triton-ascend 3.2 may issue a masked-out data-dependent load (triton-ascend#2332).
     return tl.where(valid, pos, 0), valid
+
+
+@triton.jit
+def _rows_of_positions(indices, pos, in_pos, ends, pends, e_mask, num_positions, num_rows,
+                       LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """For a sub-block of sorted positions: ``(row, slot, has_slot, kept)``: the buffer row and
+    the assignment slot of each position, whether the slot is a real one, and whether the
+    position is kept and its row inside the buffer. ``row`` is clamped to 0 where not kept."""
+    if LAYOUT == _DROPLESS:
+        row = pos
+        keep = in_pos
+    else:
+        row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
+    slot = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
+    has_slot = in_pos & (slot >= 0) & (slot < num_positions)
+    kept = keep & has_slot & (row >= 0) & (row < num_rows)
+    # clamped, not only masked (see _position_of_row)
+    return tl.where(kept, row, 0), slot, has_slot, kept
 _INT32_LIMIT = 2**31
 
 
@@ -238,19 +256,12 @@ def _route_map(
     m = tl.arange(0, BLOCK_M)
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
-    if LAYOUT != _DROPLESS:
-        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
+    ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
     for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
         pos = blk * BLOCK_M + m
-        in_pos = pos < num_positions
-        if LAYOUT == _DROPLESS:
-            row = pos
-            keep = in_pos
-        else:
-            row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
-        slot = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
-        ok = in_pos & (slot >= 0) & (slot < num_positions)
-        tl.store(slot_to_row + slot, tl.where(keep, row, -1), mask=ok)
+        row, slot, has_slot, kept = _rows_of_positions(indices, pos, pos < num_positions, ends, pends, e_mask,
+                                                       num_positions, _BIG, LAYOUT, BLOCK_M, BLOCK_E)
+        tl.store(slot_to_row + slot, tl.where(kept, row, -1), mask=has_slot)
 
 
 @kernel
@@ -308,20 +319,11 @@ def _scatter_one(
     cols = tl.arange(0, BLOCK_X)
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
-    if LAYOUT != _DROPLESS:
-        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
+    ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
     for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
         pos = blk * BLOCK_M + m
-        in_pos = pos < num_positions
-        if LAYOUT == _DROPLESS:
-            row = pos
-            keep = in_pos
-        else:
-            row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
-        token = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
-        ok = in_pos & (token >= 0) & (token < num_positions)
-        valid = keep & ok & (row >= 0) & (row < num_rows)
-        row = tl.where(valid, row, 0)
+        row, token, ok, valid = _rows_of_positions(indices, pos, pos < num_positions, ends, pends, e_mask,
+                                                   num_positions, num_rows, LAYOUT, BLOCK_M, BLOCK_E)
         token = tl.where(ok, token, num_positions)  # positions without a token: the spare row
         if SCALE:
             scale = tl.load(weights + tl.where(valid, token, 0), mask=valid, other=0).to(tl.float32)
@@ -392,20 +394,11 @@ def _wgrad_one(
     cols = tl.arange(0, BLOCK_X)
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
-    if LAYOUT != _DROPLESS:
-        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
+    ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
     for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
         pos = blk * BLOCK_M + m
-        in_pos = pos < num_positions
-        if LAYOUT == _DROPLESS:
-            row = pos
-            keep = in_pos
-        else:
-            row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
-        slot = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
-        ok = in_pos & (slot >= 0) & (slot < num_positions)
-        valid = keep & ok & (row >= 0) & (row < num_rows)
-        row = tl.where(valid, row, 0)  # clamped, not only masked (see _position_of_row)
+        row, slot, ok, valid = _rows_of_positions(indices, pos, pos < num_positions, ends, pends, e_mask,
+                                                  num_positions, num_rows, LAYOUT, BLOCK_M, BLOCK_E)
         token = tl.where(valid, slot, 0)
         if INT64:
             src = row.to(tl.int64) * hidden
