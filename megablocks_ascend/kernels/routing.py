@@ -38,6 +38,17 @@ Kernels
               hidden]`` temporary and no separate reduction pass.
 ``_wgrad``    slot-major: the float32 dot product of each slot's buffer row with its token's
               output gradient (zero for dropped slots): the router-weight gradient.
+``_scatter_one``, ``_wgrad_one``  position-major, for top_k == 1: each token has exactly one
+              position, so walking positions writes every output row (or slot) exactly once and
+              needs no inverse map: one launch instead of two (``_route_map`` + the token- or
+              slot-major kernel). With top_k > 1, position order would re-read each token's rows
+              top_k times from memory, so the two-launch kernels are faster there (H200 notes).
+
+Rows a kernel must not touch (dropped slots, padding, the tail of the last sub-block) are
+redirected to a spare row or element allocated past the end of the output (never read), not
+masked per row: a row mask computed from loaded data makes triton-ascend store element by
+element, while a column-only mask keeps one DMA per row. Offsets computed from loaded data are
+clamped to valid rows before they address memory (triton-ascend#2332).
 
 Every kernel has a 1-D grid of ``devices.num_programs`` programs (vector cores on an NPU) that
 loop over their sub-blocks; rows are moved by 2-D tiles whose row offsets come from an index
