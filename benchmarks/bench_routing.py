@@ -790,7 +790,7 @@ def setup():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--name", default="bench_routing", help="basename of the JSON and PNG")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
     ap.add_argument("--no-table", action="store_true", help="skip the main table")
