@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_expert_parallel import WORLD, _free_port, _worker  # noqa: E402
+from test_expert_parallel import WORLD, _rendezvous, _worker  # noqa: E402
 
 
 def main() -> int:
@@ -28,7 +28,7 @@ def main() -> int:
     for layer in ("moe", "dmoe"):
         for backend in ("ascend", "cuda"):
             try:
-                mp.spawn(_worker, args=(_free_port(), layer, backend, "cuda", "nccl"), nprocs=WORLD, join=True)
+                mp.spawn(_worker, args=(_rendezvous(), layer, backend, "cuda", "nccl"), nprocs=WORLD, join=True)
                 status = "ok"
             except Exception as e:  # noqa: BLE001 - report every combination
                 status = f"FAIL: {e}"

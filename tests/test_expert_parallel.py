@@ -15,7 +15,7 @@ computed over all ranks' tokens in expert-parallel mode and per process otherwis
 """
 
 import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -25,10 +25,9 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous():
+    """A fresh file for the ranks to meet at (no TCP port to race for with other runs)."""
+    return os.path.join(tempfile.mkdtemp(prefix="megablocks-ascend-ep-"), "store")
 
 
 def _rel(a, b):
@@ -36,7 +35,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _worker(rank, port, layer_kind, backend, device_type="cpu", pg_backend="gloo"):
+def _worker(rank, store, layer_kind, backend, device_type="cpu", pg_backend="gloo"):
     """One rank. Also run on GPUs (NCCL) by benchmarks/expert_parallel_check.py."""
     if device_type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
@@ -48,7 +47,7 @@ def _worker(rank, port, layer_kind, backend, device_type="cpu", pg_backend="gloo
     from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
     from megablocks.layers.moe import MoE, clear_load_balancing_loss  # noqa: PLC0415
 
-    dist.init_process_group(pg_backend, rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group(pg_backend, rank=rank, world_size=WORLD, init_method=f"file://{store}")
     try:
         cls = MoE if layer_kind == "moe" else dMoE
         experts, hidden, ffn, top_k = 4, 16, 64, 2  # dMoE needs ffn * experts >= 128
@@ -114,4 +113,4 @@ def _worker(rank, port, layer_kind, backend, device_type="cpu", pg_backend="gloo
 @pytest.mark.parametrize("backend", ["ascend", "torch"])
 @pytest.mark.parametrize("layer_kind", ["moe", "dmoe"])
 def test_expert_parallel_matches_single_process(layer_kind, backend):
-    mp.spawn(_worker, args=(_free_port(), layer_kind, backend), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_rendezvous(), layer_kind, backend), nprocs=WORLD, join=True)

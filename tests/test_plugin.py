@@ -272,3 +272,53 @@ def test_upstream_calling_its_siblings_is_not_dispatched_twice(monkeypatch):
     with megablocks_ascend.trace() as calls:
         backends.KERNELS["scatter"](torch.randn(12, 8), indices, bin_ids, None, bins, 2)
     assert [c.op for c in calls] == ["scatter"] and inner == ["padded_scatter"]
+
+
+def test_route_map_is_reused_within_a_step_and_recomputed_when_the_routing_changes(monkeypatch):
+    from megablocks_ascend.kernels import routing
+
+    routing._ROUTE_MAPS.clear()
+    launches = []
+    real = routing._compute_route_map
+    monkeypatch.setattr(routing, "_compute_route_map", lambda *a, **k: launches.append(1) or real(*a, **k))
+    indices, bin_ids, bins = _routing(tokens=8, experts=3, top_k=2)
+    first = routing.route_map(indices, bins, None, layout=routing.DROPLESS)
+    assert routing.route_map(indices, bins, None, layout=routing.DROPLESS) is first and len(launches) == 1
+    routing.route_map(indices, bins, None, layout=routing.BINNED, capacity=2)  # another layout
+    assert len(launches) == 2
+    before = first.clone()
+    indices.copy_(indices.flip(0))  # in place: same storage, new version
+    again = routing.route_map(indices, bins, None, layout=routing.DROPLESS)
+    assert len(launches) == 3 and again is not first
+    torch.testing.assert_close(first, before)  # a cached map is never written over
+    # the map really follows the new routing
+    assert torch.equal(again[indices.long()], torch.arange(16, dtype=torch.int32))
+
+
+def test_a_whole_layer_step_computes_each_route_map_once(monkeypatch):
+    from megablocks.layers.arguments import Arguments
+    from megablocks.layers.dmoe import dMoE
+    from megablocks.layers.moe import clear_load_balancing_loss
+    from megablocks_ascend.kernels import routing
+
+    args = Arguments(hidden_size=16, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2,
+                     mlp_impl="grouped", fp16=False, bf16=False, moe_loss_weight=0.0)
+    layer = dMoE(args)
+    routing._ROUTE_MAPS.clear()
+    launches = []
+    real = routing._compute_route_map
+    monkeypatch.setattr(routing, "_compute_route_map", lambda *a, **k: launches.append(1) or real(*a, **k))
+    with megablocks_ascend.use_backend("ascend"):
+        out, bias = layer(torch.randn(4, 2, 16, requires_grad=True))
+        out.sum().backward()
+    clear_load_balancing_loss()
+    assert len(launches) == 1  # forward gather, forward scatter, both backwards and the wgrad share it
+
+
+def test_route_map_under_inference_mode():
+    from megablocks_ascend.kernels import routing
+
+    with torch.inference_mode():
+        indices, bin_ids, bins = _routing(tokens=8, experts=3, top_k=2)
+        a = routing.route_map(indices, bins, None, layout=routing.DROPLESS)
+        assert torch.equal(a[indices.long()], torch.arange(16, dtype=torch.int32))

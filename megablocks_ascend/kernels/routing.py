@@ -59,6 +59,8 @@ tensor has 2**31 elements or more, in which case the launcher specialises the ke
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import triton
 import triton.language as tl
@@ -506,8 +508,43 @@ def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
                     capacity=capacity, **launch)
 
 
+# Route maps of recent routings. One MegaBlocks layer step asks for the same map up to five times
+# (forward gather and scatter, their backwards, the weight gradient); the routing tensors do not
+# change in between, so later calls reuse the first map. An entry holds its key tensors, so their
+# storage (and data_ptr) cannot be reused while it is cached, and the version counter catches
+# in-place changes.
+_ROUTE_MAPS: collections.OrderedDict = collections.OrderedDict()
+ROUTE_MAP_CACHE_SIZE = 8
+
+
+def _tensor_key(t):
+    if t is None:
+        return None
+    return (t.data_ptr(), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
 def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
-    """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped."""
+    """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped.
+
+    The result is cached per routing (see ``_ROUTE_MAPS``) and must not be modified."""
+    if any(t is not None and t.is_inference() for t in (indices, bins, padded_bins)):
+        # Inference tensors have no version counter to tell an in-place change: no caching.
+        return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
+                                  block_m=block_m, num_programs=num_programs)
+    key = (layout, capacity, _tensor_key(indices), _tensor_key(bins), _tensor_key(padded_bins))
+    hit = _ROUTE_MAPS.get(key)
+    if hit is not None:
+        _ROUTE_MAPS.move_to_end(key)
+        return hit[0]
+    slot_to_row = _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
+                                     block_m=block_m, num_programs=num_programs)
+    _ROUTE_MAPS[key] = (slot_to_row, (indices, bins, padded_bins))
+    while len(_ROUTE_MAPS) > ROUTE_MAP_CACHE_SIZE:
+        _ROUTE_MAPS.popitem(last=False)
+    return slot_to_row
+
+
+def _compute_route_map(indices, bins, padded_bins, *, layout, capacity, block_m, num_programs):
     n = indices.shape[0]
     slot_to_row = torch.empty(n, dtype=torch.int32, device=indices.device)
     if n == 0:
