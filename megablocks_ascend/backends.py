@@ -179,7 +179,10 @@ def _make_dispatcher(name: str) -> Callable:
     signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
 
     def dispatcher(*args, **kwargs):
-        a = signature.bind(*args, **kwargs).arguments
+        if not kwargs and len(args) == len(params):
+            a = dict(zip(params, args))  # the common, positional call: skip Signature.bind
+        else:
+            a = signature.bind(*args, **kwargs).arguments
         if _dispatching.depth:
             # Upstream's functions call their siblings by module-global name (scatter calls
             # padded_scatter), which now finds this dispatcher: hand those straight to upstream.

@@ -3,9 +3,9 @@
 Each op is the same ``torch.autograd.Function`` as upstream's ``megablocks/ops/<op>.py``
 (same forward, same backward, same saved tensors), with two differences: kernels are called
 through :mod:`megablocks_ascend.backends`, so ``MEGABLOCKS_BACKEND`` decides who serves them,
-and the autocast handling follows the tensors' device instead of assuming CUDA. The kernels are
-called as ``torch.library`` custom ops (:mod:`megablocks_ascend.library`) so that
-``torch.compile`` can trace through these Functions without graph breaks.
+and the autocast handling follows the tensors' device instead of assuming CUDA. Under
+``torch.compile`` the kernels are called as ``torch.library`` custom ops
+(:mod:`megablocks_ascend.library`), so these Functions trace without graph breaks.
 """
 
 from __future__ import annotations
@@ -14,8 +14,20 @@ from typing import Any
 
 import torch
 
-from megablocks_ascend import library as kernels
+from megablocks_ascend import backends, library
 from megablocks_ascend.autocast import custom_bwd, custom_fwd
+
+
+class _Kernels:
+    """The dispatched kernels: as ``torch.library`` custom ops while ``torch.compile`` traces (one
+    opaque node each), as plain calls otherwise (a custom op's Python dispatch costs ~30 us of
+    host time per call, which a host-bound layer step feels)."""
+
+    def __getattr__(self, name):
+        return library.OPS[name] if torch.compiler.is_compiling() else backends.KERNELS[name]
+
+
+kernels = _Kernels()
 
 
 class BinnedGatherOp(torch.autograd.Function):
