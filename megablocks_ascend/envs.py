@@ -19,9 +19,15 @@ variable                           default   meaning
                                              of assignments, indices a permutation, bin_ids
                                              consistent with bins, finite weights). Checks that
                                              read only shapes, dtypes and devices are always on.
+                                             Cost measured on an H200: ~0.5 ms per call (see
+                                             docs/notes/expert-parallel-and-checks.md).
 ``MEGABLOCKS_ASCEND_NUM_PROGRAMS`` unset     Overrides the number of programs (the 1-D grid) the
                                              Ascend kernels launch; by default it comes from the
                                              device (vector cores on an NPU, SMs on CUDA).
+``TRITON_INTERPRET``               unset     Triton's own switch. ``import megablocks_ascend`` sets
+                                             it to ``1`` when the machine has neither CUDA nor
+                                             torch_npu and nothing imported triton yet: there the
+                                             interpreter is the only way Triton kernels run.
 =================================  ========  ==================================================
 """
 
