@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
@@ -58,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import megablocks_ascend  # noqa: E402  (before megablocks and triton: stand-ins, interpreter on CPU)
+import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton: stand-ins, interpreter on CPU)
 import torch  # noqa: E402
 import triton  # noqa: E402
 

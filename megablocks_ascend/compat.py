@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import types
 from typing import Any, Callable
 
@@ -32,11 +31,6 @@ SLICE_OP_NAMES = ("insert_slice", "extract_slice", "get_element")
 def is_triton_ascend() -> bool:
     """True when the installed ``triton`` package is triton-ascend."""
     return importlib.util.find_spec("triton.backends.ascend") is not None
-
-
-def interpreting() -> bool:
-    """True when ``TRITON_INTERPRET=1`` made ``triton.jit`` itself return interpreted kernels."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def slice_ops(language: Any = None, extension_module: str = "triton.language.extra.cann.extension"):

@@ -330,8 +330,3 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return _installed
-
-
-def applied_targets() -> dict[str, list[str]]:
-    """For each patch, the targets it actually replaced in this process."""
-    return {p.name: list(p.originals) for p in PATCHES}

@@ -9,7 +9,6 @@ For every draw, our Triton kernels (interpreter) must:
 * be bit-identical from run to run.
 """
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
