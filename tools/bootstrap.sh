@@ -31,6 +31,9 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check --quiet)
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
     echo "bootstrap: installing ${REQS[*]}" >&2
     "${pip[@]}" install "$TORCH_SPEC"
+    # --no-build-isolation builds with what the venv has: make sure setuptools is there (venvs of
+    # Python 3.12 and later no longer come with it).
+    "${pip[@]}" install setuptools wheel
     "${pip[@]}" install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1
     "${pip[@]}" install "triton==3.9.0" numpy packaging "pytest>=8" "hypothesis>=6" matplotlib
     "${pip[@]}" install --no-build-isolation --no-deps -e "$ROOT"
