@@ -33,7 +33,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
     "${pip[@]}" install "$TORCH_SPEC"
     # --no-build-isolation builds with what the venv has: make sure setuptools is there (venvs of
     # Python 3.12 and later no longer come with it).
-    "${pip[@]}" install setuptools wheel
+    "$VENV/bin/python" -c "import setuptools" 2>/dev/null || "${pip[@]}" install setuptools wheel
     "${pip[@]}" install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1
     "${pip[@]}" install "triton==3.9.0" numpy packaging "pytest>=8" "hypothesis>=6" matplotlib
     "${pip[@]}" install --no-build-isolation --no-deps -e "$ROOT"
