@@ -87,6 +87,8 @@ CATALOGUE = [
     ("scatter", lambda a: a.update(x=a["x"][:-1]), "x"),  # one row per assignment
     ("binned_scatter_wgrad", lambda a: a.update(top_k=True), "top_k"),
     ("padded_scatter", lambda a: a.update(top_k=torch.tensor(2)), "top_k"),
+    ("gather", lambda a: a.update(x=a["x"].tolist()), "x"),  # not a tensor at all
+    ("binned_gather", lambda a: a.update(x=torch.tensor(1.0)), "x"),  # 0-d
 ]
 
 
