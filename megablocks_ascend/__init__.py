@@ -2,7 +2,9 @@
 
 ``import megablocks_ascend`` before building a MegaBlocks layer. On import it:
 
-1. switches the Triton interpreter on when this machine has neither CUDA nor an NPU and
+1. imports ``torch_npu`` when it is installed (it registers the ``npu`` device with torch; an
+   installed but broken torch_npu raises here rather than leaving MegaBlocks on the CPU);
+   switches the Triton interpreter on when this machine has neither CUDA nor an NPU and
    ``triton`` has not been imported yet (on such a machine it is the only way Triton runs);
 2. installs the patches in :mod:`megablocks_ascend.patching` (stand-ins for MegaBlocks' CUDA
    extension and for grouped_gemm, device-neutral defaults, and the routing ops dispatched by
@@ -20,11 +22,14 @@ import sys
 __version__ = "0.1.0"
 
 
+_HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
+if _HAS_TORCH_NPU:
+    import torch_npu  # noqa: F401,E402  (registers torch.npu and the "npu" device)
+
+
 def _no_accelerator() -> bool:
     import torch  # noqa: PLC0415
-    if importlib.util.find_spec("torch_npu") is not None:
-        return False
-    return not torch.cuda.is_available()
+    return not _HAS_TORCH_NPU and not torch.cuda.is_available()
 
 
 if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ and _no_accelerator():

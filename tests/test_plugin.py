@@ -322,3 +322,19 @@ def test_route_map_under_inference_mode():
         indices, bin_ids, bins = _routing(tokens=8, experts=3, top_k=2)
         a = routing.route_map(indices, bins, None, layout=routing.DROPLESS)
         assert torch.equal(a[indices.long()], torch.arange(16, dtype=torch.int32))
+
+
+def test_an_installed_torch_npu_is_imported_so_the_npu_device_exists(tmp_path):
+    """On an Ascend machine the npu device only exists once torch_npu is imported; the plugin
+    imports it (a stand-in package here records that it was imported)."""
+    fake = tmp_path / "torch_npu"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import builtins\nbuiltins._fake_torch_npu_imported = True\n")
+    r = _run_python("""
+        import builtins, os, megablocks_ascend
+        print("imported:", getattr(builtins, "_fake_torch_npu_imported", False))
+        print("interpreter forced:", os.environ.get("TRITON_INTERPRET"))
+    """, env_drop=("TRITON_INTERPRET",), PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    assert r.returncode == 0, r.stderr
+    assert "imported: True" in r.stdout
+    assert "interpreter forced: None" in r.stdout  # an NPU machine compiles, it does not interpret
