@@ -485,7 +485,7 @@ def host_overhead(device, log):
                                                                                 d.bins, 1),
         "ours scatter_wgrad (k=1: _wgrad_one, one launch)": lambda: routing.scatter_wgrad(d.y_drop, d.x, d.indices, d.bin_ids,
                                                                               d.bins, 1),
-        "ours route_map alone": lambda: routing.route_map(d.indices, d.bins, None, layout=routing.DROPLESS),
+        "ours route_map alone": lambda: _uncached(routing.route_map)(d.indices, d.bins, None, layout=routing.DROPLESS),
         "ours scatter_rows alone": lambda: routing.scatter_rows(d.y_drop, s2r, d.w, num_tokens=d.T, top_k=1),
         "ours scatter_rows, tile+grid given": lambda: routing.scatter_rows(d.y_drop, s2r, d.w, num_tokens=d.T,
                                                                            top_k=1, tile=t, num_programs=n),
