@@ -95,24 +95,24 @@ KERNELS = (
     KernelSpec("_gather", "gather",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
                     SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("x", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True),
     KernelSpec("_gather_tokens", "gather",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
                     SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("x", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True),
     KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False),
     KernelSpec("_scatter", "scatter",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X"), ("y", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "EVEN_X"), ("y", "out", "weights"), True),
     KernelSpec("_scatter_one", "gather",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("y", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("y", "out", "weights"), True),
     KernelSpec("_wgrad", "wgrad",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X"), ("y", "grad", "out"), True),
+               ("BLOCK_M", "BLOCK_X", "EVEN_X"), ("y", "grad", "out"), True),
     KernelSpec("_wgrad_one", "wgrad",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E"), ("y", "grad", "out"), True),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("y", "grad", "out"), True),
 )
 
 
@@ -137,6 +137,8 @@ class Config:
             else:
                 parts.append(f"{k}={v}")
         tiles = [f"{k}={self.constexprs[k]}" for k in ("BLOCK_M", "BLOCK_X") if k in self.constexprs]
+        if "EVEN_X" in self.constexprs:
+            tiles.append(f"EVEN_X={int(self.constexprs['EVEN_X'])}")
         return " ".join(parts + tiles)
 
 
@@ -188,7 +190,7 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS) -> list[Config]:
             if spec.kind is not None:
                 _, torch_name, es = DTYPES[axes["dtype"]]
                 t = devices.tile(spec.kind, getattr(torch, torch_name), axes["hidden"], "npu")
-                constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x)
+                constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=axes["hidden"] % t.block_x == 0)
                 ub = devices.ub_bytes(spec.kind, t.block_m, t.block_x, es)
             else:
                 constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M

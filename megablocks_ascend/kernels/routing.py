@@ -126,6 +126,18 @@ def _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions,
 
 
 @triton.jit
+def _columns(x0, cols, hidden, EVEN_X: tl.constexpr, BLOCK_X: tl.constexpr):
+    """The feature columns of one tile and their mask. When ``hidden`` is a multiple of ``BLOCK_X``
+    (``EVEN_X``) the mask is a constant and folds away: no per-tile compare in the hot loop."""
+    c = x0 + cols
+    if EVEN_X:
+        c_mask = tl.full((BLOCK_X,), 1, tl.int1)
+    else:
+        c_mask = c < hidden
+    return c, c_mask
+
+
+@triton.jit
 def _rows_of_positions(indices, pos, in_pos, ends, pends, e_mask, num_positions, num_rows,
                        LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """For a sub-block of sorted positions: ``(row, slot, has_slot, kept)``: the buffer row and
@@ -149,7 +161,7 @@ def _gather(
     x, out, indices, bins, padded_bins, weights,
     num_rows, num_positions, num_experts, hidden, capacity,
     LAYOUT: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
@@ -180,8 +192,7 @@ def _gather(
             src = token * hidden
             dst = rows * hidden
         for x0 in range(0, hidden, BLOCK_X):
-            c = x0 + cols
-            c_mask = c < hidden
+            c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             tile = tl.load(x + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
             if SCALE:
                 tile = (tile.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
@@ -193,7 +204,7 @@ def _gather_tokens(
     x, out, slot_to_row, indices, bins, padded_bins, weights,
     num_tokens, num_rows, num_positions, num_experts, hidden, capacity,
     LAYOUT: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
@@ -213,8 +224,7 @@ def _gather_tokens(
         else:
             src = src_tokens * hidden
         for x0 in range(0, hidden, BLOCK_X):
-            c = x0 + cols
-            c_mask = c < hidden
+            c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             tile = tl.load(x + src[:, None] + c[None, :], mask=used[:, None] & c_mask[None, :], other=0)
             for k in tl.static_range(TOP_K):
                 slot = tokens * TOP_K + k
@@ -254,8 +264,8 @@ def _gather_tokens(
                 else:
                     dst = dst_rows * hidden
                 for x0 in range(0, hidden, BLOCK_X):
-                    c = x0 + cols
-                    tl.store(out + dst[:, None] + c[None, :], zeros, mask=(c < hidden)[None, :])
+                    c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
+                    tl.store(out + dst[:, None] + c[None, :], zeros, mask=c_mask[None, :])
 
 
 @kernel
@@ -282,7 +292,7 @@ def _scatter(
     y, out, slot_to_row, weights,
     num_tokens, num_rows, hidden,
     TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
@@ -296,8 +306,7 @@ def _scatter(
         else:
             dst = tokens * hidden
         for x0 in range(0, hidden, BLOCK_X):
-            c = x0 + cols
-            c_mask = c < hidden
+            c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
             for k in tl.static_range(TOP_K):
                 slot = tokens * TOP_K + k
@@ -322,7 +331,7 @@ def _scatter_one(
     y, out, indices, bins, padded_bins, weights,
     num_positions, num_experts, num_rows, hidden, capacity,
     LAYOUT: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # top_k == 1: every token has exactly one position, so position-major writes never collide
     # and no inverse map is needed (one launch). A dropped position writes its token's zeros.
@@ -347,8 +356,7 @@ def _scatter_one(
             src = row * hidden
             dst = token * hidden
         for x0 in range(0, hidden, BLOCK_X):
-            c = x0 + cols
-            c_mask = c < hidden
+            c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
             if SCALE:
                 tile = tile.to(tl.float32) * scale[:, None]
@@ -360,7 +368,7 @@ def _wgrad(
     y, grad, out, slot_to_row,
     num_slots, num_rows, hidden,
     TOP_K: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # Slot-major: consecutive slots share a token, so each grad row is read once.
     pid = tl.program_id(0)
@@ -382,8 +390,8 @@ def _wgrad(
             gsrc = token * hidden
         acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for x0 in range(0, hidden, BLOCK_X):
-            c = x0 + cols
-            mask = valid[:, None] & (c < hidden)[None, :]
+            c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
+            mask = valid[:, None] & c_mask[None, :]
             a = tl.load(y + src[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             b = tl.load(grad + gsrc[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             acc += a * b
@@ -395,7 +403,7 @@ def _wgrad_one(
     y, grad, out, indices, bins, padded_bins,
     num_positions, num_experts, num_rows, hidden, capacity,
     LAYOUT: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # top_k == 1, position-major: buffer rows are read in order, each slot is written once
     # (indices is a permutation) and no inverse map is needed (one launch). With top_k > 1 the
@@ -421,8 +429,8 @@ def _wgrad_one(
             gsrc = token * hidden
         acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for x0 in range(0, hidden, BLOCK_X):
-            c = x0 + cols
-            mask = valid[:, None] & (c < hidden)[None, :]
+            c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
+            mask = valid[:, None] & c_mask[None, :]
             a = tl.load(y + src[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             b = tl.load(grad + gsrc[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             acc += a * b
@@ -466,7 +474,7 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
         num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
         LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
         INT64=_needs_int64(x.numel(), out.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
@@ -493,7 +501,7 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
         x.shape[0], num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
         LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
         INT64=_needs_int64(x.numel(), buffer.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
@@ -576,7 +584,7 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
         y, out, slot_to_row, weights if weights is not None else y,
         num_tokens, y.shape[0], hidden,
         TOP_K=top_k, SCALE=weights is not None, INT64=_needs_int64(y.numel(), out.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, num_warps=t.num_warps,
     )
     return out
 
@@ -597,7 +605,7 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
         weights if weights is not None else y,
         n, bins.shape[0], y.shape[0], hidden, capacity,
         LAYOUT=layout, SCALE=weights is not None, INT64=_needs_int64(y.numel(), buffer.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
@@ -628,7 +636,7 @@ def wgrad_rows(y, grad, slot_to_row, *, top_k, tile=None, num_programs=None):
         y, grad, out, slot_to_row,
         n, y.shape[0], hidden,
         TOP_K=top_k, INT64=_needs_int64(y.numel(), grad.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, num_warps=t.num_warps,
     )
     return out
 
@@ -649,7 +657,7 @@ def wgrad_one_rows(y, grad, indices, bins, padded_bins, *, layout, capacity=0, t
         y, grad, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
         n, bins.shape[0], y.shape[0], hidden, capacity,
         LAYOUT=layout, INT64=_needs_int64(y.numel(), grad.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
