@@ -187,15 +187,11 @@ def _make_dispatcher(name: str) -> Callable:
             # Upstream's functions call their siblings by module-global name (scatter calls
             # padded_scatter), which now finds this dispatcher: hand those straight to upstream.
             return _upstream(name)(**a)
-        x, indices, top_k = a["x"], a["indices"], a["top_k"]
-        rows = x.shape[0] if isinstance(x, torch.Tensor) and x.ndim > 0 else None  # checked below
+        x = a["x"]
         validation.check_routing(
-            name, x=x, x_ndim=x_ndim, indices=indices, bins=a["bins"], top_k=top_k,
+            name, x=x, x_ndim=x_ndim, indices=a["indices"], bins=a["bins"], top_k=a["top_k"],
             bin_ids=a.get("bin_ids"), weights=a.get("weights"), padded_bins=a.get("padded_bins"),
-            expert_capacity=a.get("expert_capacity"), grad=a.get("grad"),
-            tokens=rows if x_rows == "tokens" else None)
-        if x_rows == "assignments" and x.shape[0] != indices.shape[0]:
-            validation._fail(name, "x", f"must have one row per assignment ({indices.shape[0]}), got {x.shape[0]}")
+            expert_capacity=a.get("expert_capacity"), grad=a.get("grad"), x_rows=x_rows)
         backend = resolve(x.device)
         if backend == "ascend":
             a = {k: (v.contiguous() if k in _TENSOR_ARGS and v is not None else v) for k, v in a.items()}

@@ -51,8 +51,9 @@ def _same_device(op, named):
 
 
 def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=None,
-                  padded_bins=None, expert_capacity=None, grad=None, tokens=None):
-    """Validate one routing call. ``tokens``: the token count the assignments must cover."""
+                  padded_bins=None, expert_capacity=None, grad=None, x_rows=None):
+    """Validate one routing call. ``x_rows``: what ``x``'s rows are, where that is fixed:
+    ``"tokens"`` (the assignments cover ``x.shape[0] * top_k``) or ``"assignments"`` (one row each)."""
     _tensor(op, "x", x, x_ndim, FLOAT_DTYPES)
     _tensor(op, "indices", indices, 1, INDEX_DTYPES)
     _tensor(op, "bins", bins, 1, INDEX_DTYPES)
@@ -62,8 +63,10 @@ def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=
     n = indices.shape[0]
     if n % top_k != 0:
         _fail(op, "indices", f"has {n} assignments, which is not a multiple of top_k={top_k}")
-    if tokens is not None and n != tokens * top_k:
-        _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {tokens} * {top_k}")
+    if x_rows == "tokens" and n != x.shape[0] * top_k:
+        _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {x.shape[0]} * {top_k}")
+    if x_rows == "assignments" and x.shape[0] != n:
+        _fail(op, "x", f"must have one row per assignment ({n}), got {x.shape[0]}")
     if bin_ids is not None:
         _tensor(op, "bin_ids", bin_ids, 1, INDEX_DTYPES)
         if bin_ids.shape[0] != n:

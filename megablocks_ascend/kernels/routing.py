@@ -480,19 +480,17 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
 
 
 def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k,
-                       capacity=0, tile=None, num_programs=None, slot_to_row=None):
+                       capacity=0, tile=None, num_programs=None):
     """:func:`gather_rows`' result, computed token-major: each token row is read once and written
-    to its ``top_k`` rows (after :func:`route_map`, or the ``slot_to_row`` it returned for these
-    arguments); rows no assignment lands on are zeroed."""
+    to its ``top_k`` rows (after :func:`route_map`); rows no assignment lands on are zeroed."""
     hidden = x.shape[1]
     # One spare row at the end takes the writes of dropped slots and padding (see _gather_tokens).
     buffer = torch.empty((num_rows + 1, hidden), dtype=x.dtype, device=x.device)
     out = buffer[:num_rows]
     if num_rows == 0 or hidden == 0:
         return out
-    if slot_to_row is None:
-        slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
-                                num_programs=num_programs)
+    slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
+                            num_programs=num_programs)
     t = _tile("gather", x.dtype, hidden, x.device, tile)
     work = triton.cdiv(max(x.shape[0], num_rows if layout != DROPLESS else 0), t.block_m)
     _gather_tokens[_grid(x.device, work, num_programs)](
@@ -707,12 +705,9 @@ def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, **launch):
 
 def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
     if top_k > 1 and indices.shape[0] and padded_bins.numel():
-        # The route map goes to the device before the host waits for the output size, so only
-        # one launch follows the sync.
-        slot_to_row = route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
-        num_rows = int(padded_bins[-1].item())
-        return gather_tokens_rows(x, indices, bins, padded_bins, weights, layout=PADDED, top_k=top_k,
-                                  num_rows=num_rows, slot_to_row=slot_to_row, **launch)
+        # Launch the route map before the host waits for the output size; the token-major gather
+        # below finds it in the route-map cache, so only one launch follows the sync.
+        route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
     num_rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
     return _gather_any(x, indices, bins, padded_bins, weights, layout=PADDED, top_k=top_k,
                        num_rows=num_rows, **launch)
