@@ -51,6 +51,9 @@ _TILE_BYTES = {
     "scatter": (2, 2),
     # two loaded tiles (dtype), their float32 copies, float32 product accumulator
     "wgrad": (2, 3),
+    # the same kernel walking the experts' positions (top_k = 1, binned or padded): the rows of
+    # a sub-block share one expert lookup, so on CUDA it takes more, narrower rows (see tile())
+    "wgrad_walk": (2, 3),
 }
 _ROW_BYTES = 4 + 4 + 4 + 8  # slot/row int32, token int32, weight float32, row offset int64
 
@@ -132,7 +135,11 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
         # One row per sub-block for the kernels that hold float32 copies (scatter: top_k tiles and
         # an accumulator; wgrad: two tiles and a product): fewer registers, so more programs per
         # SM keep loads in flight. The gather keeps 4 rows (its padding-zeroing loop walks rows).
+        # The weight gradient over an expert walk takes 4 rows of 256: its per-sub-block expert
+        # lookup (a few cross-warp reductions) would otherwise cost as much as a row's dot product.
         # Measured on an H200: docs/notes/h200-speed.md.
+        if kind == "wgrad_walk":
+            return Tile(4, min(hidden_pow2, 256), num_warps=4)
         return Tile(4 if kind == "gather" else 1, block_x, num_warps=4)
     if device_target == "interpreter":
         return Tile(64, min(hidden_pow2, 256))

@@ -8,7 +8,7 @@ import torch
 from megablocks_ascend import compat, devices
 
 
-@pytest.mark.parametrize("kind", ["gather", "scatter", "wgrad"])
+@pytest.mark.parametrize("kind", ["gather", "scatter", "wgrad", "wgrad_walk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [1, 7, 16, 1000, 1024, 4096, 7168])
 def test_npu_tiles_fit_the_unified_buffer_and_are_aligned(kind, dtype, hidden):
@@ -35,6 +35,10 @@ def test_ub_bytes_counts_each_buffer():
 def test_other_targets_tiles():
     cuda = devices.tile("scatter", torch.bfloat16, 4096, "cuda")
     assert cuda.block_x == 1024 and cuda.num_warps == 4
+    # An expert walk's weight gradient amortises its per-sub-block lookup over 4 narrower rows on
+    # CUDA; on an NPU the tile is the UB's, as for the plain weight gradient.
+    assert devices.tile("wgrad_walk", torch.bfloat16, 4096, "cuda") == devices.Tile(4, 256, 4)
+    assert devices.tile("wgrad_walk", torch.bfloat16, 4096, "npu") == devices.tile("wgrad", torch.bfloat16, 4096, "npu")
     assert devices.tile("gather", torch.float32, 3, "interpreter").block_x == 8  # one 32-byte block
     with pytest.raises(ValueError, match="unknown target"):
         devices.tile("gather", torch.float32, 8, "tpu")

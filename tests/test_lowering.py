@@ -50,7 +50,7 @@ def test_table_names_match_kernel_signature(spec):
 
 def _index_ptrs(name):
     return {"_gather": {"indices", "bins", "padded_bins"},
-            "_gather_tokens": {"slot_to_row", "indices", "bins", "padded_bins"},
+            "_gather_tokens": {"slot_to_row", "bins", "padded_bins"},
             "_route_map": {"indices", "bins", "padded_bins", "slot_to_row"},
             "_scatter": {"slot_to_row"},
             "_scatter_one": {"indices", "bins", "padded_bins"},

@@ -404,3 +404,28 @@ def test_case_matrix_covers_the_seed():
         assert ("binned", item, True) in seen, item
     for item in ("on-multiple", "just-over"):
         assert ("padded", item, True) in seen, item
+
+
+@pytest.mark.parametrize("experts", [1, 70, 130])
+@pytest.mark.parametrize("layout", ["binned", "dropless", "padded"])
+@pytest.mark.parametrize("block_m, num_programs", [(1, 3), (2, 1), (8, 7), (64, 2)])
+def test_route_map_walk_over_many_experts(experts, layout, block_m, num_programs, poisoned_empty):
+    """The route map walks each expert's positions in blocks of ``block_m`` (one expert lookup per
+    block): every slot gets its row (or -1 when dropped), with many experts (``BLOCK_E`` up to
+    256), runs of empty experts, segments that end mid-block, and more blocks than programs."""
+    gen = torch.Generator().manual_seed(experts * 31 + block_m)
+    tokens, top_k = 150, min(2, experts)
+    empty = tuple(range(1, experts, 3))
+    indices, _, bins, _ = ref.make_routing(tokens, experts, top_k, skew=1.0, empty_experts=empty, generator=gen)
+    capacity = max(1, tokens * top_k // max(experts - len(empty), 1) // 2)  # binned: drops about half
+    pbins = ref.padded_bins(bins, 4)
+    positions = {"binned": ref.binned_rows(bins, capacity), "dropless": ref.dropless_rows(bins),
+                 "padded": ref.padded_rows(bins, pbins)}[layout]
+    expected = [-1 if r is None else r for r in ref.slot_rows(indices, positions)]
+    code = {"binned": routing.BINNED, "dropless": routing.DROPLESS, "padded": routing.PADDED}[layout]
+    got = routing._compute_route_map(indices, bins, pbins if layout == "padded" else None, layout=code,
+                                     capacity=capacity if layout == "binned" else 0, block_m=block_m,
+                                     num_programs=num_programs)
+    assert got.tolist() == expected
+    if layout == "binned":
+        assert -1 in expected  # the case does drop positions

@@ -18,6 +18,16 @@ buffer row ``r``        a row of the expert-major buffer that the expert MLPs re
 
 One formula therefore serves all three layouts; each layout only chooses ``pend``.
 
+Walking the experts' segments
+-----------------------------
+Kernels that go over positions or rows of a padded or binned layout do so expert by expert
+(``_walk``): each expert's segment is cut into blocks of ``BLOCK_M``, the blocks of all experts
+are numbered in expert order, and a program maps a block number back to its expert with one
+``BLOCK_E``-wide compare per block. Every item of a block then shares the expert's offsets, so
+no per-item search over the experts is needed (a ``[BLOCK_M, BLOCK_E]`` compare per block cost
+an H200 ~10 us per call at 64 experts), and a walk may visit only part of each segment (the
+rows no position lands on, for zeroing).
+
 Kernels
 -------
 ``_gather``   buffer-row-major: each program walks sub-blocks of ``BLOCK_M`` buffer rows, finds
@@ -28,17 +38,17 @@ Kernels
 ``_gather_tokens`` token-major, for top_k > 1: each program walks sub-blocks of ``BLOCK_M``
               tokens, loads each token row once per feature tile and stores it (scaled by each
               slot's weight) to the buffer rows of its kept slots (from ``_route_map``); a second
-              loop over buffer rows writes the rows no slot lands on (padding, unused capacity) as
-              zeros. ``_gather`` would read a token row ``top_k`` times, far apart in time.
-``_route_map`` position-major: for each position, the buffer row it lands on (or -1 when
-              dropped), stored at its slot: the inverse map the token-major kernels need.
+              walk visits only the rows no slot lands on (padding, unused capacity) and writes
+              them as zeros. ``_gather`` would read a token row ``top_k`` times, far apart in time.
+``_route_map`` position-major (a walk): for each position, the buffer row it lands on (or -1
+              when dropped), stored at its slot: the inverse map the token-major kernels need.
 ``_scatter``  token-major: each program walks sub-blocks of ``BLOCK_M`` tokens and, per feature
               tile, sums the token's ``top_k`` buffer rows (scaled by the router weights) in
               float32 registers; each output row is written once, with no ``[tokens, top_k,
               hidden]`` temporary and no separate reduction pass.
 ``_wgrad``    slot-major: the float32 dot product of each slot's buffer row with its token's
               output gradient (zero for dropped slots): the router-weight gradient.
-``_scatter_one``, ``_wgrad_one``  position-major, for top_k == 1: each token has exactly one
+``_scatter_one``, ``_wgrad_one``  position-major walks, for top_k == 1: each token has exactly one
               position, so walking positions writes every output row (or slot) exactly once and
               needs no inverse map: one launch instead of two (``_route_map`` + the token- or
               slot-major kernel). With top_k > 1, position order would re-read each token's rows
@@ -74,6 +84,102 @@ _DROPLESS, _PADDED = tl.constexpr(DROPLESS), tl.constexpr(PADDED)
 _BIG = tl.constexpr(2147483647)
 
 
+_POSITIONS, _ROWS, _PADDING = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _walk(bins, padded_bins, capacity, num_experts, num_items,
+          LAYOUT: tl.constexpr, WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The block table of a walk over the experts' segments, one expert per block.
+
+    ``WALK`` picks the items walked: each expert's sorted positions (``_POSITIONS``), its buffer
+    rows (``_ROWS``), or only its rows no position lands on (``_PADDING``). Per expert ``e``:
+    positions ``[pstart, pstart + count)`` (from ``bins``) and rows ``[rstart, rstart + seg)``
+    (from the layout's segment ends); the first ``kept = min(count, seg)`` positions feed the
+    first ``kept`` rows, the other rows are padding (padded) or unused capacity (binned), and
+    the other positions are dropped (binned). Each expert's items are cut into blocks of
+    ``BLOCK_M``, numbered ``0 .. total - 1`` in expert order; :func:`_walk_block` maps a block
+    number back to its expert with one ``BLOCK_E``-wide compare per block, not one per item.
+
+    Returns ``(e, first, nblk, total, start, end, delta, kend)``, per expert: its first block
+    number, its block count, then ``start`` such that item ``m`` of its block ``g`` is
+    ``start + g * BLOCK_M + m``, ``end`` (its items end there), ``delta`` (item + delta is the
+    row of a position, the position of a row) and ``kend`` (items below it are kept positions /
+    rows fed by a position). The dropless position walk needs no table (rows are positions).
+    """
+    e = tl.arange(0, BLOCK_E)
+    zero = tl.zeros((BLOCK_E,), tl.int32)
+    if LAYOUT == _DROPLESS and WALK != _PADDING:
+        return e, zero, zero, tl.cdiv(num_items, BLOCK_M), zero, zero, zero, zero
+    e_mask = e < num_experts
+    prev = tl.maximum(e - 1, 0)
+    has_prev = e_mask & (e > 0)
+    pend = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
+    pstart = tl.load(bins + prev, mask=has_prev, other=0).to(tl.int32)
+    if LAYOUT == _PADDED:
+        rend = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
+        rstart = tl.load(padded_bins + prev, mask=has_prev, other=0).to(tl.int32)
+    elif LAYOUT == _DROPLESS:
+        rend = pend
+        rstart = pstart
+    else:
+        rstart = e * capacity
+        rend = rstart + capacity
+    count = tl.maximum(pend - pstart, 0)
+    seg = tl.maximum(rend - rstart, 0)
+    kept = tl.minimum(count, seg)
+    if WALK == _POSITIONS:
+        base = pstart  # items are positions
+        lo = zero
+        end = pstart + count
+        delta = rstart - pstart
+    else:
+        base = rstart  # items are rows
+        lo = kept if WALK == _PADDING else zero
+        end = rstart + seg
+        delta = pstart - rstart
+    nblk = tl.where(e_mask, (end - base - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    first = tl.cumsum(nblk, axis=0) - nblk
+    return e, first, nblk, tl.sum(nblk, axis=0), base + lo - first * BLOCK_M, end, delta, base + kept
+
+
+@triton.jit
+def _pick(sel, v):
+    return tl.sum(tl.where(sel, v, 0), axis=0)
+
+
+@triton.jit
+def _walk_block(g, m, num_items, e, first, nblk, start, end, delta, kend,
+                LAYOUT: tl.constexpr, WALK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block ``g`` of a :func:`_walk`: ``(item, inside, delta, kend)``, its items (positions or
+    rows), which of them exist, and its expert's ``delta`` and ``kend`` (scalars)."""
+    if LAYOUT == _DROPLESS and WALK != _PADDING:
+        item = g * BLOCK_M + m
+        return item, item < num_items, 0, _BIG
+    # The expert owning block g: the last one with blocks whose first block is <= g.
+    sel = e == tl.max(tl.where((first <= g) & (nblk > 0), e, -1), axis=0)
+    item = _pick(sel, start) + g * BLOCK_M + m
+    return item, item < _pick(sel, end), _pick(sel, delta), _pick(sel, kend)
+
+
+@triton.jit
+def _position_rows(blk, m, indices, num_positions, num_rows, e, first, nblk, start, end, delta, kend,
+                   LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block ``blk`` of a position walk: ``(row, slot, has_slot, keep)``, the buffer row of each
+    position (clamped to 0 where not kept), its assignment slot, whether the slot is a real one,
+    and whether the position is kept (its slot is real and it has a row below ``num_rows``: it
+    was not dropped)."""
+    pos, inside, d, k_end = _walk_block(blk, m, num_positions, e, first, nblk, start, end, delta, kend,
+                                        LAYOUT, _POSITIONS, BLOCK_M)
+    in_pos = inside & (pos >= 0) & (pos < num_positions)
+    # clamped, not only masked (triton-ascend#2332)
+    slot = tl.load(indices + tl.where(in_pos, pos, 0), mask=in_pos, other=-1).to(tl.int32)
+    has_slot = in_pos & (slot >= 0) & (slot < num_positions)
+    row = pos + d
+    keep = has_slot & (pos < k_end) & (row >= 0) & (row < num_rows)
+    return tl.where(keep, row, 0), slot, has_slot, keep
+
+
 @triton.jit
 def _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT: tl.constexpr):
     """``(ends, pends)``: where each expert's sorted positions end (``bins``) and where its row
@@ -84,25 +190,6 @@ def _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT: tl.constexpr):
     else:
         pends = (e + 1) * capacity
     return ends, pends
-
-
-@triton.jit
-def _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The buffer row of each sorted position, and whether it is kept (not dropped, inside bins).
-
-    Experts whose positions end at or before ``pos`` come before it; ``bins`` and the segment
-    ends are non-decreasing, so the max / min over those sets pick expert ``e - 1`` and ``e``."""
-    big = tl.full((BLOCK_M, BLOCK_E), _BIG, tl.int32)
-    zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
-    before = (ends[None, :] <= pos[:, None]) & e_mask[None, :]
-    after = (ends[None, :] > pos[:, None]) & e_mask[None, :]
-    pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
-    seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
-    seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
-    row = seg_start + (pos - pos_start)
-    # A position past bins[-1] has no expert (after is empty, seg_end stays big).
-    keep = in_pos & (row < seg_end) & (seg_end < _BIG)
-    return row, keep
 
 
 @triton.jit
@@ -137,22 +224,6 @@ def _columns(x0, cols, hidden, EVEN_X: tl.constexpr, BLOCK_X: tl.constexpr):
     return c, c_mask
 
 
-@triton.jit
-def _rows_of_positions(indices, pos, in_pos, ends, pends, e_mask, num_positions, num_rows,
-                       LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """For a sub-block of sorted positions: ``(row, slot, has_slot, kept)``: the buffer row and
-    the assignment slot of each position, whether the slot is a real one, and whether the
-    position is kept and its row inside the buffer. ``row`` is clamped to 0 where not kept."""
-    if LAYOUT == _DROPLESS:
-        row = pos
-        keep = in_pos
-    else:
-        row, keep = _row_of_position(pos, in_pos, ends, pends, e_mask, BLOCK_M, BLOCK_E)
-    slot = tl.load(indices + pos, mask=in_pos, other=-1).to(tl.int32)
-    has_slot = in_pos & (slot >= 0) & (slot < num_positions)
-    kept = keep & has_slot & (row >= 0) & (row < num_rows)
-    # clamped, not only masked (see _position_of_row)
-    return tl.where(kept, row, 0), slot, has_slot, kept
 _INT32_LIMIT = 2**31
 
 
@@ -163,6 +234,10 @@ def _gather(
     LAYOUT: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
 ):
+    # Buffer-row-major with a per-row expert search (_position_of_row), not a _walk: written as a
+    # walk, this kernel made triton-ascend 3.2's discrete-mask-access-conversion pass crash in
+    # ~5-15% of compiles of the same TTIR (docs/notes/ascend-lowering.md). It serves top_k == 1
+    # only, where the search is cheap next to the row copies.
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
@@ -201,7 +276,7 @@ def _gather(
 
 @kernel
 def _gather_tokens(
-    x, out, slot_to_row, indices, bins, padded_bins, weights,
+    x, out, slot_to_row, bins, padded_bins, weights,
     num_tokens, num_rows, num_positions, num_experts, hidden, capacity,
     LAYOUT: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
@@ -244,28 +319,25 @@ def _gather_tokens(
                 else:
                     value = tile
                 tl.store(out + dst[:, None] + c[None, :], value, mask=c_mask[None, :])
-    # Rows no assignment lands on (padding, unused capacity) are written as zeros.
+    # Rows no assignment lands on (padding, unused capacity) are written as zeros: the walk visits
+    # only those rows, and decides them from bins alone (no load of indices: with value checks
+    # off, a row whose position holds an invalid slot is left unwritten, like that slot's weight
+    # gradient).
     if LAYOUT != _DROPLESS:
-        e = tl.arange(0, BLOCK_E)
-        e_mask = e < num_experts
-        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
+        e, first, nblk, total, start, end, delta, kend = _walk(
+            bins, padded_bins, capacity, num_experts, num_rows, LAYOUT, _PADDING, BLOCK_M, BLOCK_E)
         zeros = tl.zeros((BLOCK_M, BLOCK_X), out.dtype.element_ty)
-        for blk in range(pid, tl.cdiv(num_rows, BLOCK_M), npg):
-            rows = blk * BLOCK_M + m
-            in_rows = rows < num_rows
-            pos, valid = _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions, BLOCK_M, BLOCK_E)
-            slot = tl.load(indices + pos, mask=valid, other=-1).to(tl.int32)
-            valid = valid & (slot >= 0) & (slot < num_positions)
-            pad = in_rows & (valid == 0)
-            if tl.sum(pad.to(tl.int32), axis=0) > 0:
-                dst_rows = tl.where(pad, rows, num_rows)  # the spare row again, not a row mask
-                if INT64:
-                    dst = dst_rows.to(tl.int64) * hidden
-                else:
-                    dst = dst_rows * hidden
-                for x0 in range(0, hidden, BLOCK_X):
-                    c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-                    tl.store(out + dst[:, None] + c[None, :], zeros, mask=c_mask[None, :])
+        for blk in range(pid, total, npg):
+            rows, inside, _, _ = _walk_block(blk, m, num_rows, e, first, nblk, start, end, delta, kend,
+                                             LAYOUT, _PADDING, BLOCK_M)
+            rows = tl.where(inside & (rows >= 0) & (rows < num_rows), rows, num_rows)  # else the spare row
+            if INT64:
+                dst = rows.to(tl.int64) * hidden
+            else:
+                dst = rows * hidden
+            for x0 in range(0, hidden, BLOCK_X):
+                c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
+                tl.store(out + dst[:, None] + c[None, :], zeros, mask=c_mask[None, :])
 
 
 @kernel
@@ -277,14 +349,12 @@ def _route_map(
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
-    e = tl.arange(0, BLOCK_E)
-    e_mask = e < num_experts
-    ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
-    for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
-        pos = blk * BLOCK_M + m
-        row, slot, has_slot, kept = _rows_of_positions(indices, pos, pos < num_positions, ends, pends, e_mask,
-                                                       num_positions, _BIG, LAYOUT, BLOCK_M, BLOCK_E)
-        tl.store(slot_to_row + slot, tl.where(kept, row, -1), mask=has_slot)
+    e, first, nblk, total, start, end, delta, kend = _walk(
+        bins, padded_bins, capacity, num_experts, num_positions, LAYOUT, _POSITIONS, BLOCK_M, BLOCK_E)
+    for blk in range(pid, total, npg):
+        row, slot, has_slot, keep = _position_rows(blk, m, indices, num_positions, _BIG, e, first, nblk, start,
+                                                   end, delta, kend, LAYOUT, BLOCK_M)
+        tl.store(slot_to_row + slot, tl.where(keep, row, -1), mask=has_slot)
 
 
 @kernel
@@ -312,7 +382,7 @@ def _scatter(
                 slot = tokens * TOP_K + k
                 row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
                 valid = in_tokens & (row >= 0) & (row < num_rows)
-                row = tl.where(valid, row, 0)  # clamped, not only masked (see _position_of_row)
+                row = tl.where(valid, row, 0)  # clamped, not only masked (triton-ascend#2332)
                 if INT64:
                     src = row.to(tl.int64) * hidden
                 else:
@@ -339,13 +409,11 @@ def _scatter_one(
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_X)
-    e = tl.arange(0, BLOCK_E)
-    e_mask = e < num_experts
-    ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
-    for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
-        pos = blk * BLOCK_M + m
-        row, token, ok, valid = _rows_of_positions(indices, pos, pos < num_positions, ends, pends, e_mask,
-                                                   num_positions, num_rows, LAYOUT, BLOCK_M, BLOCK_E)
+    e, first, nblk, total, start, end, delta, kend = _walk(
+        bins, padded_bins, capacity, num_experts, num_positions, LAYOUT, _POSITIONS, BLOCK_M, BLOCK_E)
+    for blk in range(pid, total, npg):
+        row, token, ok, valid = _position_rows(blk, m, indices, num_positions, num_rows, e, first, nblk, start,
+                                               end, delta, kend, LAYOUT, BLOCK_M)
         token = tl.where(ok, token, num_positions)  # positions without a token: the spare row
         if SCALE:
             scale = tl.load(weights + tl.where(valid, token, 0), mask=valid, other=0).to(tl.float32)
@@ -380,7 +448,7 @@ def _wgrad(
         in_slots = slots < num_slots
         row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
         valid = in_slots & (row >= 0) & (row < num_rows)
-        row = tl.where(valid, row, 0)  # clamped, not only masked (see _position_of_row)
+        row = tl.where(valid, row, 0)  # clamped, not only masked (triton-ascend#2332)
         token = tl.where(valid, slots, 0) // TOP_K
         if INT64:
             src = row.to(tl.int64) * hidden
@@ -413,13 +481,11 @@ def _wgrad_one(
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_X)
-    e = tl.arange(0, BLOCK_E)
-    e_mask = e < num_experts
-    ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
-    for blk in range(pid, tl.cdiv(num_positions, BLOCK_M), npg):
-        pos = blk * BLOCK_M + m
-        row, slot, ok, valid = _rows_of_positions(indices, pos, pos < num_positions, ends, pends, e_mask,
-                                                  num_positions, num_rows, LAYOUT, BLOCK_M, BLOCK_E)
+    e, first, nblk, total, start, end, delta, kend = _walk(
+        bins, padded_bins, capacity, num_experts, num_positions, LAYOUT, _POSITIONS, BLOCK_M, BLOCK_E)
+    for blk in range(pid, total, npg):
+        row, slot, ok, valid = _position_rows(blk, m, indices, num_positions, num_rows, e, first, nblk, start,
+                                              end, delta, kend, LAYOUT, BLOCK_M)
         token = tl.where(valid, slot, 0)
         if INT64:
             src = row.to(tl.int64) * hidden
@@ -445,6 +511,12 @@ def _wgrad_one(
 
 def _block_e(num_experts: int) -> int:
     return max(triton.next_power_of_2(max(num_experts, 1)), 2)
+
+
+def _walk_blocks(items: int, block_m: int, bins) -> int:
+    """An upper bound on the blocks of a :func:`_walk` over ``items`` (each expert's last block may
+    be partial): the work count that sizes the grid."""
+    return triton.cdiv(items, block_m) + bins.shape[0]
 
 
 def _needs_int64(*numels: int) -> bool:
@@ -492,9 +564,9 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
     slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                             num_programs=num_programs)
     t = _tile("gather", x.dtype, hidden, x.device, tile)
-    work = triton.cdiv(max(x.shape[0], num_rows if layout != DROPLESS else 0), t.block_m)
+    work = max(triton.cdiv(x.shape[0], t.block_m), _walk_blocks(num_rows, t.block_m, bins) if layout != DROPLESS else 0)
     _gather_tokens[_grid(x.device, work, num_programs)](
-        x, buffer, slot_to_row, indices, bins, padded_bins if padded_bins is not None else bins,
+        x, buffer, slot_to_row, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else x,
         x.shape[0], num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
         LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
@@ -550,19 +622,17 @@ def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, n
     return slot_to_row
 
 
+ROUTE_MAP_BLOCK_M = {"cpu": 64}  # positions per block; 128 elsewhere
+
+
 def _compute_route_map(indices, bins, padded_bins, *, layout, capacity, block_m, num_programs):
     n = indices.shape[0]
     slot_to_row = torch.empty(n, dtype=torch.int32, device=indices.device)
     if n == 0:
         return slot_to_row
     if block_m is None:
-        if indices.device.type == "cuda":
-            # [block_m, BLOCK_E] int32 tiles of expert bounds: at 64 experts, 128 rows (8192
-            # elements, ~64 registers per thread per tile) cost an H200 ~10 us more than 32 rows.
-            block_m = max(16, min(128, 2048 // _block_e(bins.shape[0])))
-        else:
-            block_m = 64 if indices.device.type == "cpu" else 128
-    _route_map[_grid(indices.device, triton.cdiv(n, block_m), num_programs)](
+        block_m = ROUTE_MAP_BLOCK_M.get(indices.device.type, 128)
+    _route_map[_grid(indices.device, _walk_blocks(n, block_m, bins), num_programs)](
         indices, bins, padded_bins if padded_bins is not None else bins, slot_to_row,
         n, bins.shape[0], capacity,
         LAYOUT=layout, BLOCK_M=block_m, BLOCK_E=_block_e(bins.shape[0]),
@@ -598,7 +668,7 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
     if n == 0 or hidden == 0:
         return out
     t = _tile("gather", y.dtype, hidden, y.device, tile)
-    _scatter_one[_grid(y.device, triton.cdiv(n, t.block_m), num_programs)](
+    _scatter_one[_grid(y.device, _walk_blocks(n, t.block_m, bins), num_programs)](
         y, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else y,
         n, bins.shape[0], y.shape[0], hidden, capacity,
@@ -650,8 +720,8 @@ def wgrad_one_rows(y, grad, indices, bins, padded_bins, *, layout, capacity=0, t
         return out
     if hidden == 0:
         return out.zero_()
-    t = _tile("wgrad", y.dtype, hidden, y.device, tile)
-    _wgrad_one[_grid(y.device, triton.cdiv(n, t.block_m), num_programs)](
+    t = _tile("wgrad" if layout == DROPLESS else "wgrad_walk", y.dtype, hidden, y.device, tile)
+    _wgrad_one[_grid(y.device, _walk_blocks(n, t.block_m, bins), num_programs)](
         y, grad, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
         n, bins.shape[0], y.shape[0], hidden, capacity,
         LAYOUT=layout, INT64=_needs_int64(y.numel(), grad.numel()),
