@@ -1,0 +1,273 @@
+"""A/B probe for the routing kernels, on one GPU, in one run.
+
+``bench_routing.py`` measures the kernels as they are; this script answers "did a change help"
+and "what bounds this op", side by side in the same process:
+
+``--baseline FILE``  every routing op, ours as in ``FILE`` (a ``routing.py`` of another commit:
+                     ``git show REV:megablocks_ascend/kernels/routing.py > FILE``) against ours as
+                     in the working tree and upstream MegaBlocks, device time from CUDA-graph
+                     replay, each checked against upstream first; plus the route map alone per
+                     layout.
+``--patterns``       the memory patterns that bound the gathers: a 1:1 copy, a 1:k broadcast copy
+                     (each row read once, written k times: what a token-major gather does, without
+                     the routing) in PyTorch, our gather under an identity routing (sequential
+                     writes), and a probe copy of the token-major gather under cache hints.
+``--k1``             tile and grid sweep of the top_k = 1 kernels (``_scatter_one``, ``_wgrad_one``,
+                     ``_gather``) at the small shape and a large top_k = 1 shape.
+
+Usage::
+
+    python benchmarks/ab_routing.py --baseline /tmp/routing_base.py --patterns --k1 --out results/ --name ab
+
+Needs a CUDA GPU. Bytes and ceiling as in ``bench_routing.py`` (whose helpers it uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_routing as br  # noqa: E402  (imports megablocks_ascend first)
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from megablocks_ascend import devices  # noqa: E402
+from megablocks_ascend.kernels import routing  # noqa: E402
+
+ROUTE_MAP_BLOCKS = (32, 64, 128, 256, 512)
+# top_k = 1 at 64 experts (Switch-like): the one-launch kernels' expert walk at many experts.
+AB_EXTRA = {"k1-fine": dict(T=16384, H=2048, E=64, k=1, cf=1.25)}
+K1_SHAPES = {
+    "small": br.SHAPES["small"],
+    "k1-large": dict(T=32768, H=4096, E=16, k=1, cf=1.0),
+    **AB_EXTRA,
+}
+# The top_k = 1 kernels that walk the experts' positions (the k = 1 gathers use _gather).
+K1_OPS = ("scatter", "binned_scatter", "padded_scatter", "scatter_wgrad", "binned_scatter_wgrad",
+          "padded_scatter_wgrad")
+# (block_m, block_x, num_warps, programs per SM; 0 = one program per sub-block)
+K1_CONFIGS = [
+    (1, 1024, 4, 16), (4, 1024, 4, 16), (2, 512, 4, 16), (4, 256, 4, 16), (8, 256, 4, 16),
+    (4, 512, 4, 16), (8, 128, 4, 16), (4, 256, 2, 32), (1, 1024, 4, 0), (4, 256, 4, 0),
+]
+
+
+def load_routing(path: str):
+    spec = importlib.util.spec_from_file_location("routing_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def uncached(mod, name):
+    fn = getattr(mod, name)
+
+    def run(*args, **kwargs):
+        mod._ROUTE_MAPS.clear()
+        return fn(*args, **kwargs)
+    return run
+
+
+def graph_ms(fn, device):
+    ms = br.bench_graph(fn, device)
+    return float("nan") if ms is None else ms
+
+
+# --- A/B against a baseline routing.py --------------------------------------------------------
+
+
+def ab(base, device, ceiling, log, shapes=br.SHAPES):
+    rows = []
+    impls = {"base": base, "new": routing}
+    for sname, s in shapes.items():
+        d = br.Data(**s, device=device)
+        log(f"[ab {sname}] T={d.T} H={d.H} E={d.E} k={d.k}")
+        for op in br.OPS:
+            nb = br.min_bytes(op, d)
+            want = br.expected(op, d)
+            up = br.implementation(op, "upstream")
+            t = {"upstream": graph_ms(lambda: br.call(op, up, d), device)} if op not in br.GRAPH_UNSAFE else {}
+            ok = {}
+            for name, mod in impls.items():
+                fn = uncached(mod, op)
+                ok[name] = br.check(op, d, fn=fn, want=want)["ok"]
+                if op in br.GRAPH_UNSAFE:
+                    t[name] = br.bench(lambda: br.call(op, fn, d), device)  # do_bench (host sync inside)
+                else:
+                    t[name] = graph_ms(lambda: br.call(op, fn, d), device)
+            row = dict(shape=sname, op=op, min_bytes=nb, ok=ok, ms=t,
+                       frac_ceiling={k: nb / v / 1e6 / ceiling for k, v in t.items()},
+                       timer="do_bench" if op in br.GRAPH_UNSAFE else "graph")
+            rows.append(row)
+            log(f"  {op:22s} base {t['base']:.4f} ms {row['frac_ceiling']['base']:6.1%}  "
+                f"new {t['new']:.4f} ms {row['frac_ceiling']['new']:6.1%}  "
+                + (f"upstream {t['upstream']:.4f} ms  new/up {t['upstream'] / t['new']:.2f}x  "
+                   if "upstream" in t else "")
+                + f"new/base {t['base'] / t['new']:.3f}x  checks {ok}")
+        if d.k > 1:
+            for layout, pb in ((routing.DROPLESS, None), (routing.PADDED, d.padded_bins), (routing.BINNED, None)):
+                cap = d.cap if layout == routing.BINNED else 0
+                t = {}
+                for name, mod in impls.items():
+                    fn = uncached(mod, "route_map")
+                    t[name] = graph_ms(lambda: fn(d.indices, d.bins, pb, layout=layout, capacity=cap), device)
+                fn = uncached(routing, "route_map")
+                for bm in ROUTE_MAP_BLOCKS:
+                    t[f"new block_m={bm}"] = graph_ms(
+                        lambda: fn(d.indices, d.bins, pb, layout=layout, capacity=cap, block_m=bm), device)
+                rows.append(dict(shape=sname, op=f"route_map[{layout}]", ms=t, timer="graph"))
+                log(f"  route_map layout={layout}  " + "  ".join(f"{k} {v:.4f} ms" for k, v in t.items()))
+        del d
+        br.free(device)
+    return rows
+
+
+# --- Patterns that bound the gathers ----------------------------------------------------------
+
+
+@triton.jit
+def _gather_tokens_probe(x, out, slot_to_row, num_tokens, hidden,
+                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr,
+                         LOAD_POLICY: tl.constexpr, STORE_CACHE: tl.constexpr, STORE_POLICY: tl.constexpr):
+    # The dropless token-major gather (routing._gather_tokens, hidden a multiple of BLOCK_X), with
+    # cache hints as parameters. A probe only: CUDA hints, not part of the shipped kernels.
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_X)
+    for blk in range(pid, tl.cdiv(num_tokens, BLOCK_M), npg):
+        tokens = blk * BLOCK_M + m
+        in_tokens = tokens < num_tokens
+        src = tl.where(in_tokens, tokens, 0) * hidden
+        for x0 in range(0, hidden, BLOCK_X):
+            tile = tl.load(x + src[:, None] + x0 + cols[None, :], eviction_policy=LOAD_POLICY)
+            for k in tl.static_range(TOP_K):
+                row = tl.load(slot_to_row + tokens * TOP_K + k, mask=in_tokens, other=0)
+                tl.store(out + (row * hidden)[:, None] + x0 + cols[None, :], tile,
+                         mask=in_tokens[:, None], cache_modifier=STORE_CACHE, eviction_policy=STORE_POLICY)
+
+
+PROBE_VARIANTS = {
+    # name: (block_m, block_x, num_warps, programs per SM, load policy, store cache, store policy)
+    "as shipped (4x1024, 4 warps)": (4, 1024, 4, 16, "", "", ""),
+    "load evict_first": (4, 1024, 4, 16, "evict_first", "", ""),
+    "store .cs (streaming)": (4, 1024, 4, 16, "", ".cs", ""),
+    "store evict_first": (4, 1024, 4, 16, "", "", "evict_first"),
+    "load evict_first + store .cs": (4, 1024, 4, 16, "evict_first", ".cs", ""),
+    "1 row x 1024, 4 warps": (1, 1024, 4, 16, "", "", ""),
+    "8 rows x 1024, 8 warps": (8, 1024, 8, 8, "", "", ""),
+    "1 row x 2048, 8 warps": (1, 2048, 8, 8, "", "", ""),
+}
+
+
+def patterns(device, ceiling, log, shapes):
+    out = {}
+    sms = br.num_sms(device)
+    for sname, s in shapes.items():
+        T, H, k = s["T"], s["H"], s["k"]
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        dst = torch.empty(T * k, H, device=device, dtype=torch.bfloat16)
+        one = torch.empty(T, H, device=device, dtype=torch.bfloat16)
+        res = {}
+        nb1 = 2 * T * H * 2
+        nbk = (1 + k) * T * H * 2
+        res["copy 1:1"] = (nb1, graph_ms(lambda: one.copy_(x), device))
+        res[f"broadcast 1:{k} (torch expand copy)"] = (
+            nbk, graph_ms(lambda: dst.view(T, k, H).copy_(x[:, None, :].expand(T, k, H)), device))
+        res[f"write-only {k} rows (fill)"] = (T * k * H * 2, graph_ms(lambda: dst.fill_(1.0), device))
+        # Our gather under an identity routing (sequential writes) and under the benchmark's routing.
+        idx = torch.arange(T * k, device=device, dtype=torch.int32)
+        per = T * k // s["E"]
+        bins = torch.arange(1, s["E"] + 1, device=device, dtype=torch.int32) * per
+        bins[-1] = T * k
+        res["ours gather, identity routing"] = (
+            nbk, graph_ms(lambda: br._uncached(routing.gather)(x, idx, None, None, bins, k), device))
+        d = br.Data(**s, device=device, lazy=True)
+        d._cache["x"] = x
+        res["ours gather, benchmark routing"] = (
+            nbk, graph_ms(lambda: br._uncached(routing.gather)(x, d.indices, d.bin_ids, None, d.bins, k), device))
+        s2r = routing.route_map(d.indices, d.bins, None, layout=routing.DROPLESS)
+        want = routing.gather(x, d.indices, d.bin_ids, None, d.bins, k)
+        for name, (bm, bx, nw, pps, lp, sc, sp) in PROBE_VARIANTS.items():
+            if H % bx:
+                bx = H & -H  # (--quick: tiny hidden; a power of two dividing it)
+            grid = (min(sms * pps, triton.cdiv(T, bm)),)
+
+            def run(bm=bm, bx=bx, nw=nw, lp=lp, sc=sc, sp=sp, grid=grid):
+                _gather_tokens_probe[grid](x, dst, s2r, T, H, TOP_K=k, BLOCK_M=bm, BLOCK_X=bx, LOAD_POLICY=lp,
+                                           STORE_CACHE=sc, STORE_POLICY=sp, num_warps=nw)
+            dst.fill_(float("nan"))
+            run()
+            ok = bool(torch.equal(dst, want))
+            res[f"probe kernel (map given): {name}" + ("" if ok else " WRONG")] = (nbk, graph_ms(run, device))
+        for name, (nb, ms) in res.items():
+            log(f"  [patterns {sname}] {name:52s} {ms:.4f} ms {nb / ms / 1e6:7.0f} GB/s "
+                f"{nb / ms / 1e6 / ceiling:6.1%} of the copy ceiling")
+        out[sname] = {name: dict(bytes=nb, ms=ms, GBps=nb / ms / 1e6, frac_ceiling=nb / ms / 1e6 / ceiling)
+                      for name, (nb, ms) in res.items()}
+        del x, dst, one, d, want, s2r
+        br.free(device)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", default=None, help="a routing.py to compare against")
+    ap.add_argument("--patterns", action="store_true")
+    ap.add_argument("--k1", action="store_true")
+    ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes for --baseline")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: a smoke test of this script")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--name", default="ab_routing")
+    args = ap.parse_args(argv)
+    device = br.setup()
+    if device.type != "cuda" and not args.quick:
+        ap.error("needs a CUDA GPU (or --quick)")
+    big = br.QUICK_SHAPES if args.quick else br.SHAPES
+    k1_shapes = {"quick-k1": dict(T=24, H=48, E=4, k=1, cf=1.0)} if args.quick else K1_SHAPES
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    report = {"environment": br.environment(device)}
+    log(f"environment: {json.dumps(report['environment'])}")
+    ceil = br.copy_ceiling(device, quick=args.quick)
+    report["copy_ceiling"] = ceil
+    log(f"copy ceiling: {ceil['GBps']:.0f} GB/s")
+
+    def save():
+        (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+        (out_dir / f"{args.name}.log").write_text("\n".join(lines) + "\n")
+
+    if args.baseline:
+        every = {**big, **({} if args.quick else AB_EXTRA)}
+        shapes = every if not args.shapes else {k: every[k] for k in args.shapes.split(",")}
+        report["ab"] = ab(load_routing(args.baseline), device, ceil["GBps"], log, shapes)
+        save()
+    if args.patterns:
+        shapes = big if args.quick else {k: big[k] for k in ("mixtral", "fine")}
+        report["patterns"] = patterns(device, ceil["GBps"], log, shapes)
+        save()
+    if args.k1:
+        br.SHAPES.update(k1_shapes)
+        configs = [(bm, 64, nw, pps) for bm, _, nw, pps in K1_CONFIGS[:3]] if args.quick else K1_CONFIGS
+        report["k1_sweep"] = br.sweep(device, ceil["GBps"], log, shapes=tuple(k1_shapes), configs=configs,
+                                      ops=K1_OPS)
+        save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
