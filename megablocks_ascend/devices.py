@@ -80,6 +80,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def block_e(num_experts: int) -> int:
+    """Width of the kernels' per-expert vectors (``BLOCK_E``): a power of two, at least 2."""
+    return max(_next_pow2(max(num_experts, 1)), 2)
+
+
 @functools.lru_cache(maxsize=None)
 def _core_count(device_type: str, index: int) -> int:
     if device_type == "cuda":
@@ -116,6 +121,7 @@ def ub_bytes(kind: str, block_m: int, block_x: int, element_size: int) -> int:
     return UB_BUFFERS * block_m * (block_x * per_element + _ROW_BYTES)
 
 
+@functools.lru_cache(maxsize=4096)  # called on every launch; a pure function of its arguments
 def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile:
     """Sub-block rows and feature-tile width for a kernel of ``kind`` on ``device_target``."""
     if kind not in _TILE_BYTES:

@@ -142,12 +142,6 @@ class Config:
         return " ".join(parts + tiles)
 
 
-def _block_e(num_experts: int) -> int:
-    """``routing._block_e`` (checked by the tests), without importing triton here: the table must be
-    buildable before :class:`Lowerer` has made sure triton compiles rather than interprets."""
-    return max(1 << max(max(num_experts, 1) - 1, 0).bit_length(), 2)
-
-
 def _scalars(spec: KernelSpec, axes: dict) -> dict:
     top_k = axes.get("TOP_K", 2)
     n = TOKENS * top_k
@@ -195,7 +189,7 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS) -> list[Config]:
             else:
                 constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
             if "BLOCK_E" in spec.derived:
-                constexprs["BLOCK_E"] = _block_e(EXPERTS)
+                constexprs["BLOCK_E"] = devices.block_e(EXPERTS)
             missing = set(spec.derived) - set(constexprs)
             if missing:
                 raise AssertionError(f"{spec.name}: derived constexprs {sorted(missing)} not computed")

@@ -165,7 +165,7 @@ def test_table_covers_every_launch(monkeypatch, int64):
                 # on a device it is ROUTE_MAP_BLOCK_M
                 launched["BLOCK_M"] = lowering.ROUTE_MAP_BLOCK_M
             if "BLOCK_E" in launched:
-                assert launched["BLOCK_E"] == lowering._block_e(lowering.EXPERTS)
+                assert launched["BLOCK_E"] == devices.block_e(lowering.EXPERTS)
             key = (kernel, dname if "dtype" in spec.axes else None, hidden if "hidden" in spec.axes else None)
             assert launched in table[key], f"{kernel} {dname} H={hidden}: {launched} not in the table"
             seen += 1
@@ -386,6 +386,6 @@ def test_lower_one_kernel(tmp_path):
     assert proc.stdout.splitlines()[-1] == f"lowered: {len(results)}/{len(results)}"
 
 
-def test_block_e_matches_launcher():
-    for e in (1, 2, 3, 8, 9, 64):
-        assert lowering._block_e(e) == routing._block_e(e)
+def test_block_e_is_a_power_of_two_covering_the_experts():
+    for e, want in ((0, 2), (1, 2), (2, 2), (3, 4), (8, 8), (9, 16), (64, 64), (65, 128)):
+        assert devices.block_e(e) == want

@@ -509,14 +509,19 @@ def _wgrad_one(
 # never launch on empty work.
 
 
-def _block_e(num_experts: int) -> int:
-    return max(triton.next_power_of_2(max(num_experts, 1)), 2)
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: a jit-callable function that unwraps constexprs on every host-side call
+    # (~4-5 us each on a CPU, measured), and launchers call it on every launch.
+    return -(-a // b)
+
+
+_block_e = devices.block_e
 
 
 def _walk_blocks(items: int, block_m: int, bins) -> int:
     """An upper bound on the blocks of a :func:`_walk` over ``items`` (each expert's last block may
     be partial): the work count that sizes the grid."""
-    return triton.cdiv(items, block_m) + bins.shape[0]
+    return _cdiv(items, block_m) + bins.shape[0]
 
 
 def _needs_int64(*numels: int) -> bool:
@@ -540,7 +545,7 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
     if num_rows == 0 or hidden == 0:
         return out
     t = _tile("gather", x.dtype, hidden, x.device, tile)
-    _gather[_grid(x.device, triton.cdiv(num_rows, t.block_m), num_programs)](
+    _gather[_grid(x.device, _cdiv(num_rows, t.block_m), num_programs)](
         x, out, indices, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else x,
         num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
@@ -564,7 +569,7 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
     slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                             num_programs=num_programs)
     t = _tile("gather", x.dtype, hidden, x.device, tile)
-    work = max(triton.cdiv(x.shape[0], t.block_m), _walk_blocks(num_rows, t.block_m, bins) if layout != DROPLESS else 0)
+    work = max(_cdiv(x.shape[0], t.block_m), _walk_blocks(num_rows, t.block_m, bins) if layout != DROPLESS else 0)
     _gather_tokens[_grid(x.device, work, num_programs)](
         x, buffer, slot_to_row, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else x,
@@ -648,7 +653,7 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
     if num_tokens == 0 or hidden == 0:
         return out
     t = _tile("scatter", y.dtype, hidden, y.device, tile)
-    _scatter[_grid(y.device, triton.cdiv(num_tokens, t.block_m), num_programs)](
+    _scatter[_grid(y.device, _cdiv(num_tokens, t.block_m), num_programs)](
         y, out, slot_to_row, weights if weights is not None else y,
         num_tokens, y.shape[0], hidden,
         TOP_K=top_k, SCALE=weights is not None, INT64=_needs_int64(y.numel(), out.numel()),
@@ -700,7 +705,7 @@ def wgrad_rows(y, grad, slot_to_row, *, top_k, tile=None, num_programs=None):
     if hidden == 0:
         return out.zero_()
     t = _tile("wgrad", y.dtype, hidden, y.device, tile)
-    _wgrad[_grid(y.device, triton.cdiv(n, t.block_m), num_programs)](
+    _wgrad[_grid(y.device, _cdiv(n, t.block_m), num_programs)](
         y, grad, out, slot_to_row,
         n, y.shape[0], hidden,
         TOP_K=top_k, INT64=_needs_int64(y.numel(), grad.numel()),
