@@ -12,8 +12,10 @@ and "what bounds this op", side by side in the same process:
                      (each row read once, written k times: what a token-major gather does, without
                      the routing) in PyTorch, our gather under an identity routing (sequential
                      writes), and a probe copy of the token-major gather under cache hints.
-``--k1``             tile and grid sweep of the top_k = 1 kernels (``_scatter_one``, ``_wgrad_one``,
-                     ``_gather``) at the small shape and a large top_k = 1 shape.
+``--k1``             tile and grid sweep of the top_k = 1 kernels that walk the experts
+                     (``_scatter_one``, ``_wgrad_one``) at three top_k = 1 shapes.
+``--host``           host time per call (ours with the route map cached and cold, upstream) and
+                     three single do_bench runs back to back, with cudaMalloc counts.
 
 Usage::
 
@@ -217,11 +219,46 @@ def patterns(device, ceiling, log, shapes):
     return out
 
 
+# --- Host time and do_bench repeatability ----------------------------------------------------
+
+HOST_OPS = ("gather", "scatter", "binned_gather", "binned_scatter_wgrad", "padded_scatter_wgrad")
+
+
+def host_and_repeats(device, log, shape="mixtral"):
+    """Host microseconds per call (ours with the route map cached and cold, upstream), and three
+    single do_bench runs back to back per implementation, with the caching allocator's device
+    allocation count across them: is a do_bench figure far above device time the host, the
+    allocator, or the first run?"""
+    d = br.Data(**{**br.SHAPES, **br.QUICK_SHAPES}[shape], device=device)
+    out = []
+    iters = 200 if device.type == "cuda" else 2
+
+    def allocs():
+        return torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.type == "cuda" else 0
+
+    for op in HOST_OPS:
+        impls = {"ours cached": getattr(routing, op), "ours cold": br._uncached(getattr(routing, op)),
+                 "upstream": br.implementation(op, "upstream")}
+        for name, fn in impls.items():
+            host = br.host_us(lambda: br.call(op, fn, d), device, iters=iters)
+            before = allocs()
+            runs = [br.bench(lambda: br.call(op, fn, d), device, repeats=1) for _ in range(3)]
+            row = dict(shape=shape, op=op, impl=name, host_us=host, do_bench_runs_ms=runs,
+                       device_allocs_during=allocs() - before)
+            out.append(row)
+            log(f"  [host {shape}] {op:22s} {name:12s} host {host:6.1f} us  do_bench x3 "
+                + " ".join(f"{r:.4f}" for r in runs) + f" ms  cudaMalloc +{row['device_allocs_during']}")
+    del d
+    br.free(device)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default=None, help="a routing.py to compare against")
     ap.add_argument("--patterns", action="store_true")
     ap.add_argument("--k1", action="store_true")
+    ap.add_argument("--host", action="store_true", help="host time per call and do_bench repeatability")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes for --baseline")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: a smoke test of this script")
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -258,6 +295,9 @@ def main(argv=None):
     if args.patterns:
         shapes = big if args.quick else {k: big[k] for k in ("mixtral", "fine")}
         report["patterns"] = patterns(device, ceil["GBps"], log, shapes)
+        save()
+    if args.host:
+        report["host"] = host_and_repeats(device, log, shape="quick" if args.quick else "mixtral")
         save()
     if args.k1:
         br.SHAPES.update(k1_shapes)
