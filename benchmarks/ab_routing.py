@@ -271,11 +271,7 @@ def main(argv=None):
     k1_shapes = {"quick-k1": dict(T=24, H=48, E=4, k=1, cf=1.0)} if args.quick else K1_SHAPES
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log, lines = br.logger()
 
     report = {"environment": br.environment(device)}
     log(f"environment: {json.dumps(report['environment'])}")

@@ -795,6 +795,16 @@ def environment(device):
     return env
 
 
+def logger():
+    """``(log, lines)``: ``log(s)`` prints ``s`` at once and keeps it in ``lines`` for the log file."""
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+    return log, lines
+
+
 def setup():
     """The device to run on; on CPU, upstream's autotuned kernels narrowed to one config (the
     interpreter cannot autotune)."""
@@ -835,11 +845,7 @@ def main(argv=None):
         shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log, lines = logger()
 
     env = environment(device)
     log(f"environment: {json.dumps(env)}")

@@ -36,3 +36,21 @@ def test_bench_routing_quick_cpu(tmp_path):
     assert all(c["ok"] for c in report["checks"]), [c for c in report["checks"] if not c["ok"]]
     assert set(report["targets"]) >= {"ceiling_90pct_large_shapes", "scatter_3x_upstream",
                                       "never_slower_than_upstream", "all_checks_pass"}
+
+
+def test_ab_routing_quick_cpu(tmp_path):
+    """benchmarks/ab_routing.py --quick: every section runs, and both versions of every op (here the
+    working tree's routing.py against itself) pass the check against upstream."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env.pop("OUT", None)
+    baseline = REPO / "megablocks_ascend" / "kernels" / "routing.py"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ab_routing.py"), "--quick", "--baseline",
+                        str(baseline), "--patterns", "--host", "--out", str(tmp_path), "--name", "ab"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    report = json.loads((tmp_path / "ab.json").read_text())
+    ops = [r for r in report["ab"] if "ok" in r]
+    assert len(ops) == 9 and all(r["ok"] == {"base": True, "new": True} for r in ops), ops
+    assert {r["op"] for r in report["ab"] if "ok" not in r} == {"route_map[0]", "route_map[1]", "route_map[2]"}
+    assert not any("WRONG" in name for name in report["patterns"]["quick"])  # the probe kernel's copy is exact
+    assert len(report["host"]) == 15
