@@ -84,7 +84,7 @@ _DROPLESS, _PADDED = tl.constexpr(DROPLESS), tl.constexpr(PADDED)
 _BIG = tl.constexpr(2147483647)
 
 
-_POSITIONS, _ROWS, _PADDING = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_POSITIONS, _PADDING = tl.constexpr(0), tl.constexpr(1)
 
 
 @triton.jit
@@ -92,8 +92,8 @@ def _walk(bins, padded_bins, capacity, num_experts, num_items,
           LAYOUT: tl.constexpr, WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """The block table of a walk over the experts' segments, one expert per block.
 
-    ``WALK`` picks the items walked: each expert's sorted positions (``_POSITIONS``), its buffer
-    rows (``_ROWS``), or only its rows no position lands on (``_PADDING``). Per expert ``e``:
+    ``WALK`` picks the items walked: each expert's sorted positions (``_POSITIONS``), or its
+    buffer rows that no position lands on (``_PADDING``). Per expert ``e``:
     positions ``[pstart, pstart + count)`` (from ``bins``) and rows ``[rstart, rstart + seg)``
     (from the layout's segment ends); the first ``kept = min(count, seg)`` positions feed the
     first ``kept`` rows, the other rows are padding (padded) or unused capacity (binned), and
@@ -104,8 +104,8 @@ def _walk(bins, padded_bins, capacity, num_experts, num_items,
     Returns ``(e, first, nblk, total, start, end, delta, kend)``, per expert: its first block
     number, its block count, then ``start`` such that item ``m`` of its block ``g`` is
     ``start + g * BLOCK_M + m``, ``end`` (its items end there), ``delta`` (item + delta is the
-    row of a position, the position of a row) and ``kend`` (items below it are kept positions /
-    rows fed by a position). The dropless position walk needs no table (rows are positions).
+    row of a position) and ``kend`` (items below it are kept positions). The dropless position
+    walk needs no table (rows are positions).
     """
     e = tl.arange(0, BLOCK_E)
     zero = tl.zeros((BLOCK_E,), tl.int32)
@@ -128,19 +128,19 @@ def _walk(bins, padded_bins, capacity, num_experts, num_items,
     count = tl.maximum(pend - pstart, 0)
     seg = tl.maximum(rend - rstart, 0)
     kept = tl.minimum(count, seg)
-    if WALK == _POSITIONS:
-        base = pstart  # items are positions
-        lo = zero
+    if WALK == _POSITIONS:  # items are positions, from each segment's first
+        begin = pstart
         end = pstart + count
         delta = rstart - pstart
-    else:
-        base = rstart  # items are rows
-        lo = kept if WALK == _PADDING else zero
+        kend = pstart + kept
+    else:  # items are rows, from each segment's first padding row
+        begin = rstart + kept
         end = rstart + seg
         delta = pstart - rstart
-    nblk = tl.where(e_mask, (end - base - lo + BLOCK_M - 1) // BLOCK_M, 0)
+        kend = begin
+    nblk = tl.where(e_mask, (end - begin + BLOCK_M - 1) // BLOCK_M, 0)
     first = tl.cumsum(nblk, axis=0) - nblk
-    return e, first, nblk, tl.sum(nblk, axis=0), base + lo - first * BLOCK_M, end, delta, base + kept
+    return e, first, nblk, tl.sum(nblk, axis=0), begin - first * BLOCK_M, end, delta, kend
 
 
 @triton.jit
@@ -515,9 +515,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_block_e = devices.block_e
-
-
 def _walk_blocks(items: int, block_m: int, bins) -> int:
     """An upper bound on the blocks of a :func:`_walk` over ``items`` (each expert's last block may
     be partial): the work count that sizes the grid."""
@@ -551,7 +548,7 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
         num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
         LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
         INT64=_needs_int64(x.numel(), out.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
@@ -576,7 +573,7 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
         x.shape[0], num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
         LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
         INT64=_needs_int64(x.numel(), buffer.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
@@ -640,7 +637,7 @@ def _compute_route_map(indices, bins, padded_bins, *, layout, capacity, block_m,
     _route_map[_grid(indices.device, _walk_blocks(n, block_m, bins), num_programs)](
         indices, bins, padded_bins if padded_bins is not None else bins, slot_to_row,
         n, bins.shape[0], capacity,
-        LAYOUT=layout, BLOCK_M=block_m, BLOCK_E=_block_e(bins.shape[0]),
+        LAYOUT=layout, BLOCK_M=block_m, BLOCK_E=devices.block_e(bins.shape[0]),
     )
     return slot_to_row
 
@@ -678,7 +675,7 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
         weights if weights is not None else y,
         n, bins.shape[0], y.shape[0], hidden, capacity,
         LAYOUT=layout, SCALE=weights is not None, INT64=_needs_int64(y.numel(), buffer.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
@@ -730,7 +727,7 @@ def wgrad_one_rows(y, grad, indices, bins, padded_bins, *, layout, capacity=0, t
         y, grad, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
         n, bins.shape[0], y.shape[0], hidden, capacity,
         LAYOUT=layout, INT64=_needs_int64(y.numel(), grad.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=_block_e(bins.shape[0]), num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
     )
     return out
 
