@@ -19,6 +19,8 @@ _SHAPES = (  # tokens, hidden, experts, top_k, capacity factor
     (64, 96, 4, 2, 1.0),
     (130, 1000, 16, 4, 0.5),
     (512, 1024, 8, 1, 1.25),
+    (300, 256, 72, 2, 0.75),  # many experts: the expert walk's BLOCK_E = 128 and its cumsum
+    (256, 128, 64, 1, 1.0),  # top_k = 1 at 64 experts: the one-launch walks
 )
 
 
