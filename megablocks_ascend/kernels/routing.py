@@ -213,6 +213,15 @@ def _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions,
 
 
 @triton.jit
+def _offsets(rows, hidden, INT64: tl.constexpr):
+    """Element offsets of the starts of ``rows``: int64 when the launcher specialised the kernel
+    for a tensor of 2**31 elements or more, int32 otherwise."""
+    if INT64:
+        rows = rows.to(tl.int64)
+    return rows * hidden
+
+
+@triton.jit
 def _columns(x0, cols, hidden, EVEN_X: tl.constexpr, BLOCK_X: tl.constexpr):
     """The feature columns of one tile and their mask. When ``hidden`` is a multiple of ``BLOCK_X``
     (``EVEN_X``) the mask is a constant and folds away: no per-tile compare in the hot loop."""
@@ -260,12 +269,8 @@ def _gather(
         token = slot // TOP_K
         if SCALE:
             scale = tl.load(weights + slot, mask=valid, other=0).to(tl.float32)
-        if INT64:
-            src = token.to(tl.int64) * hidden
-            dst = rows.to(tl.int64) * hidden
-        else:
-            src = token * hidden
-            dst = rows * hidden
+        src = _offsets(token, hidden, INT64)
+        dst = _offsets(rows, hidden, INT64)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             tile = tl.load(x + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
@@ -294,10 +299,7 @@ def _gather_tokens(
             row = tl.load(slot_to_row + tokens * TOP_K + k, mask=in_tokens, other=-1)
             used = used | (in_tokens & (row >= 0) & (row < num_rows))
         src_tokens = tl.where(in_tokens, tokens, 0)
-        if INT64:
-            src = src_tokens.to(tl.int64) * hidden
-        else:
-            src = src_tokens * hidden
+        src = _offsets(src_tokens, hidden, INT64)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             tile = tl.load(x + src[:, None] + c[None, :], mask=used[:, None] & c_mask[None, :], other=0)
@@ -309,10 +311,7 @@ def _gather_tokens(
                 # being masked: a row mask computed from loaded data makes triton-ascend store
                 # element by element, while a column-only mask keeps one DMA per row.
                 row = tl.where(valid, row, num_rows)
-                if INT64:
-                    dst = row.to(tl.int64) * hidden
-                else:
-                    dst = row * hidden
+                dst = _offsets(row, hidden, INT64)
                 if SCALE:
                     scale = tl.load(weights + slot, mask=valid, other=0).to(tl.float32)
                     value = (tile.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
@@ -331,10 +330,7 @@ def _gather_tokens(
             rows, inside, _, _ = _walk_block(blk, m, num_rows, e, first, nblk, start, end, delta, kend,
                                              LAYOUT, _PADDING, BLOCK_M)
             rows = tl.where(inside & (rows >= 0) & (rows < num_rows), rows, num_rows)  # else the spare row
-            if INT64:
-                dst = rows.to(tl.int64) * hidden
-            else:
-                dst = rows * hidden
+            dst = _offsets(rows, hidden, INT64)
             for x0 in range(0, hidden, BLOCK_X):
                 c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
                 tl.store(out + dst[:, None] + c[None, :], zeros, mask=c_mask[None, :])
@@ -371,10 +367,7 @@ def _scatter(
     for blk in range(pid, tl.cdiv(num_tokens, BLOCK_M), npg):
         tokens = blk * BLOCK_M + m
         in_tokens = tokens < num_tokens
-        if INT64:
-            dst = tokens.to(tl.int64) * hidden
-        else:
-            dst = tokens * hidden
+        dst = _offsets(tokens, hidden, INT64)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
@@ -383,10 +376,7 @@ def _scatter(
                 row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
                 valid = in_tokens & (row >= 0) & (row < num_rows)
                 row = tl.where(valid, row, 0)  # clamped, not only masked (triton-ascend#2332)
-                if INT64:
-                    src = row.to(tl.int64) * hidden
-                else:
-                    src = row * hidden
+                src = _offsets(row, hidden, INT64)
                 tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
                 tile = tile.to(tl.float32)
                 if SCALE:
@@ -417,12 +407,8 @@ def _scatter_one(
         token = tl.where(ok, token, num_positions)  # positions without a token: the spare row
         if SCALE:
             scale = tl.load(weights + tl.where(valid, token, 0), mask=valid, other=0).to(tl.float32)
-        if INT64:
-            src = row.to(tl.int64) * hidden
-            dst = token.to(tl.int64) * hidden
-        else:
-            src = row * hidden
-            dst = token * hidden
+        src = _offsets(row, hidden, INT64)
+        dst = _offsets(token, hidden, INT64)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
@@ -450,12 +436,8 @@ def _wgrad(
         valid = in_slots & (row >= 0) & (row < num_rows)
         row = tl.where(valid, row, 0)  # clamped, not only masked (triton-ascend#2332)
         token = tl.where(valid, slots, 0) // TOP_K
-        if INT64:
-            src = row.to(tl.int64) * hidden
-            gsrc = token.to(tl.int64) * hidden
-        else:
-            src = row * hidden
-            gsrc = token * hidden
+        src = _offsets(row, hidden, INT64)
+        gsrc = _offsets(token, hidden, INT64)
         acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
@@ -487,12 +469,8 @@ def _wgrad_one(
         row, slot, ok, valid = _position_rows(blk, m, indices, num_positions, num_rows, e, first, nblk, start,
                                               end, delta, kend, LAYOUT, BLOCK_M)
         token = tl.where(valid, slot, 0)
-        if INT64:
-            src = row.to(tl.int64) * hidden
-            gsrc = token.to(tl.int64) * hidden
-        else:
-            src = row * hidden
-            gsrc = token * hidden
+        src = _offsets(row, hidden, INT64)
+        gsrc = _offsets(token, hidden, INT64)
         acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
