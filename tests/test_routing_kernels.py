@@ -429,3 +429,38 @@ def test_route_map_walk_over_many_experts(experts, layout, block_m, num_programs
     assert got.tolist() == expected
     if layout == "binned":
         assert -1 in expected  # the case does drop positions
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_int64_offsets_give_the_same_results(monkeypatch, top_k):
+    """The launchers specialise the kernels with int64 offsets for tensors of 2**31 elements or more
+    (checked at that size on an H200, BENCHMARKS.md); here every tensor counts as that large, and
+    all nine functions must give bit-identical results to the int32 kernels."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, experts, hidden = 37, 5, 24
+    indices, bin_ids, bins, _ = ref.make_routing(tokens, experts, top_k, skew=1.0, generator=gen)
+    n = tokens * top_k
+    pbins = ref.padded_bins(bins, 8)
+    cap = max(1, n // experts - 1)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w = torch.rand(n, generator=gen)
+    grad = torch.randn(tokens, hidden, generator=gen)
+    calls = {
+        "binned_gather": (x, indices, w, bins, cap, top_k),
+        "binned_scatter": (torch.randn(experts, cap, hidden, generator=gen), indices, w, bins, top_k),
+        "binned_scatter_wgrad": (torch.randn(experts, cap, hidden, generator=gen), grad, indices, bins, top_k),
+        "gather": (x, indices, bin_ids, w, bins, top_k),
+        "scatter": (torch.randn(n, hidden, generator=gen), indices, bin_ids, w, bins, top_k),
+        "scatter_wgrad": (torch.randn(n, hidden, generator=gen), grad, indices, bin_ids, bins, top_k),
+        "padded_gather": (x, indices, bin_ids, w, bins, pbins, top_k),
+        "padded_scatter": (torch.randn(int(pbins[-1]), hidden, generator=gen), indices, bin_ids, w, bins, pbins,
+                           top_k),
+        "padded_scatter_wgrad": (torch.randn(int(pbins[-1]), hidden, generator=gen), grad, indices, bin_ids, bins,
+                                 pbins, top_k),
+    }
+    int32 = {name: getattr(routing, name)(*args, tile=SMALL, num_programs=3) for name, args in calls.items()}
+    routing._ROUTE_MAPS.clear()
+    monkeypatch.setattr(routing, "_INT32_LIMIT", 1)
+    assert routing._needs_int64(1)
+    for name, args in calls.items():
+        assert torch.equal(getattr(routing, name)(*args, tile=SMALL, num_programs=3), int32[name]), name
