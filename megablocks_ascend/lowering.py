@@ -152,8 +152,7 @@ def _scalars(spec: KernelSpec, axes: dict) -> dict:
     if spec.name == "_gather":
         return dict(num_rows=num_rows, num_positions=n, num_experts=EXPERTS, hidden=hidden, capacity=capacity)
     if spec.name == "_gather_tokens":
-        return dict(num_tokens=TOKENS, num_rows=num_rows, num_positions=n, num_experts=EXPERTS,
-                    hidden=hidden, capacity=capacity)
+        return dict(num_tokens=TOKENS, num_rows=num_rows, num_experts=EXPERTS, hidden=hidden, capacity=capacity)
     if spec.name == "_route_map":
         return dict(num_positions=n, num_experts=EXPERTS, capacity=capacity)
     if spec.name == "_scatter":

@@ -282,7 +282,7 @@ def _gather(
 @kernel
 def _gather_tokens(
     x, out, slot_to_row, bins, padded_bins, weights,
-    num_tokens, num_rows, num_positions, num_experts, hidden, capacity,
+    num_tokens, num_rows, num_experts, hidden, capacity,
     LAYOUT: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
 ):
@@ -548,7 +548,7 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
     _gather_tokens[_grid(x.device, work, num_programs)](
         x, buffer, slot_to_row, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else x,
-        x.shape[0], num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
+        x.shape[0], num_rows, bins.shape[0], hidden, capacity,
         LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
         INT64=_needs_int64(x.numel(), buffer.numel()),
         BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
