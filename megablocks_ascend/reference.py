@@ -49,23 +49,28 @@ def _gather(x, indices, weights, rows_of_slots, num_rows, top_k):
     return out
 
 
+def _slot_values(y, rows_of_slots):
+    """Each slot's row of the expert-major buffer ``y`` in float32, zero where the slot was dropped."""
+    kept = rows_of_slots >= 0
+    if y.shape[0] == 0:  # no rows at all (a zero expert capacity): every slot was dropped
+        return torch.zeros((rows_of_slots.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
+    return torch.where(kept[:, None], y[rows_of_slots.clamp(min=0)].float(), 0.0)
+
+
 def _scatter(y, weights, rows_of_slots, top_k):
     hidden = y.shape[-1]
     y = y.reshape(-1, hidden)
-    kept = rows_of_slots >= 0
-    values = torch.where(kept[:, None], y[rows_of_slots.clamp(min=0)].float(), 0.0)
+    values = _slot_values(y, rows_of_slots)
     if weights is not None:
         values = values * weights.float()[:, None]
     return values.view(-1, top_k, hidden).sum(dim=1).to(y.dtype)
 
 
 def _wgrad(y, grad, rows_of_slots, top_k):
-    hidden = y.shape[-1]
-    y = y.reshape(-1, hidden)
-    kept = rows_of_slots >= 0
+    y = y.reshape(-1, y.shape[-1])
     slots = torch.arange(rows_of_slots.shape[0], device=y.device)
-    dots = (y[rows_of_slots.clamp(min=0)].float() * grad[slots // top_k].float()).sum(dim=1)
-    return torch.where(kept, dots, 0.0).to(y.dtype)
+    dots = (_slot_values(y, rows_of_slots) * grad[slots // top_k].float()).sum(dim=1)
+    return torch.where(rows_of_slots >= 0, dots, 0.0).to(y.dtype)  # exactly 0 when dropped, whatever grad holds
 
 
 def binned_gather(x, indices, weights, bins, expert_capacity, top_k):

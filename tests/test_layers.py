@@ -91,6 +91,9 @@ CASES = [
     pytest.param(MoE, 4, 1, 1, "mlp", 8, 2, id="moe-top1"),
     pytest.param(MoE, 4, 2, 1, "mlp", 8, 3, id="moe-top2-drops"),
     pytest.param(MoE, 8, 4, 2, "mlp", 6, 2, id="moe-top4-roomy"),
+    # 3 tokens over 8 experts: the computed expert capacity int(1 * 3 * 1 / 8) is 0, which MegaBlocks
+    # replaces by the largest expert's token count (a host sync; nothing is dropped).
+    pytest.param(MoE, 8, 1, 1, "mlp", 3, 1, id="moe-capacity-0"),
     pytest.param(dMoE, 4, 1, 1, "mlp", 8, 2, id="dmoe-top1"),
     pytest.param(dMoE, 6, 2, 1, "mlp", 8, 3, id="dmoe-top2"),
     pytest.param(dMoE, 4, 2, 1, "glu", 5, 3, id="dmoe-glu-top2"),

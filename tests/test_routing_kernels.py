@@ -108,6 +108,11 @@ CASES = {
         Case("e64-bf16-w", 32, 64, 2, 37, torch.bfloat16, True, capacity=2, tile=SMALL, num_programs=3),
         # Empty batch: no tokens, the whole capacity buffer is unused.
         Case("empty-batch", 0, 4, 2, 37, torch.float32, True, capacity=3),
+        # Capacity 0, which the ops accept (MegaBlocks' layers replace a computed 0 by the largest
+        # expert's count, direct callers need not): every assignment is dropped and the expert
+        # buffer has no rows.
+        Case("cap0-bf16-w", 3, 8, 2, 37, torch.bfloat16, True, capacity=0, tile=SMALL, num_programs=3),
+        Case("cap0-fp32-k1", 5, 8, 1, 16, torch.float32, False, capacity=0),
     ],
     "dropless": [
         # top_k=8 over 8 experts: every token goes to every expert.
