@@ -2,11 +2,17 @@
 
 Tests run on CPU: our Triton kernels and upstream MegaBlocks' Triton kernels both run in the
 Triton interpreter, which must be on before ``triton`` is imported.
+
+Tests that take the ``device`` fixture can also run on an accelerator:
+``MEGABLOCKS_ASCEND_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest tests/test_x.py`` runs
+them on CUDA tensors, with compiled Triton instead of the interpreter (so pass only files whose
+tests take the fixture: the others need the interpreter). The default is ``cpu``.
 """
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE_VAR = "MEGABLOCKS_ASCEND_TEST_DEVICE"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -31,3 +37,15 @@ def upstream_kernels():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device the device-generic tests run on (``MEGABLOCKS_ASCEND_TEST_DEVICE``, default cpu)."""
+    name = os.environ.get(TEST_DEVICE_VAR, "cpu").strip() or "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.exit(f"{TEST_DEVICE_VAR}={name}, but torch sees no CUDA device", returncode=2)
+    if dev.type == "npu" and not (hasattr(torch, "npu") and torch.npu.is_available()):
+        pytest.exit(f"{TEST_DEVICE_VAR}={name}, but torch sees no NPU", returncode=2)
+    return dev
