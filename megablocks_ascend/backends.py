@@ -211,3 +211,125 @@ def _make_dispatcher(name: str) -> Callable:
 
 KERNELS: dict[str, Callable] = {name: _make_dispatcher(name) for name in SPECS}
 globals().update(KERNELS)
+
+
+# ------------------------------------------------------------------------------------------
+# stk's block-sparse matmuls (stk.backend.triton_kernels), dispatched the same way.
+
+# name -> (parameters, the argument whose device stk itself takes as the call's device)
+STK_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
+    "sdd": (("lhs", "rhs", "shape", "out", "offsets", "row_indices", "column_indices"), "out"),
+    "dsd": (("shape", "data", "offsets", "row_indices", "column_indices", "offsets_t", "column_indices_t",
+             "block_offsets_t", "transpose_a", "rhs", "out"), "rhs"),
+    "dds": (("lhs", "shape", "data", "offsets", "row_indices", "column_indices", "offsets_t",
+             "column_indices_t", "block_offsets_t", "transpose_b", "out"), "lhs"),
+    "row_indices": (("shape", "data", "offsets", "column_indices", "out"), "out"),
+}
+
+# stk's own functions, for the ``cuda`` backend; filled by the patch registry before it replaces them.
+UPSTREAM_STK: dict[str, Callable] = {}
+
+STK_BLOCK_SIZE = 128  # stk's TritonConfig: its kernels compute 128 x 128 blocks and nothing else
+_INT16_LIMIT = 1 << 15  # an int16 value wraps at 32768
+_INT32_LIMIT = 1 << 31
+
+
+def _upstream_stk(name: str) -> Callable:
+    if name not in UPSTREAM_STK:
+        import stk.backend.triton_kernels as upstream  # noqa: PLC0415
+        fn = getattr(upstream, name)
+        if getattr(fn, "__megablocks_ascend__", False):
+            raise BackendUnavailable(f"stk.backend.triton_kernels.{name} was not recorded before patching")
+        UPSTREAM_STK[name] = fn
+    return UPSTREAM_STK[name]
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """The largest element offset a kernel computes when it addresses all of ``t`` by its strides."""
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def stk_kernels_refusal(name: str, a: dict) -> str | None:
+    """Why stk 0.7.1's own Triton kernels cannot compute this (validated) call correctly, or None.
+
+    The conditions come from reading stk's kernels (the derivation is in
+    ``patches/stk-kernels.md``): its kernels are compiled for 128 x 128 blocks and unmasked
+    tiles; with Triton >= 3.2 a product of an int16 block index and a compile-time constant
+    stays int16, so an element offset of 32768 or more wraps (stride arguments equal to 1 are
+    compile-time constants too); and every other offset is int32.
+    """
+    block = a["out"].shape[1] if name == "sdd" else a["data"].shape[1]
+    if name == "row_indices":
+        return None  # one store per block of a row number that validation checked fits the dtype
+    if block != STK_BLOCK_SIZE:
+        return f"stk's kernels compute {STK_BLOCK_SIZE} x {STK_BLOCK_SIZE} blocks only; this matrix has {block} x {block}"
+    if name == "sdd":
+        (m, k), n = a["lhs"].shape, a["rhs"].shape[1]
+    elif name == "dsd":
+        (m, k), n = a["shape"], a["rhs"].shape[1]
+    else:
+        (m, k), n = a["lhs"].shape, a["shape"][1]
+    if m % 128 or n % 128 or k % 32:
+        return (f"stk's kernels need M and N multiples of 128 and K of 32 (no masked tiles); this call "
+                f"multiplies [{m}, {k}] by [{k}, {n}]")
+    # int16 block-index arithmetic: (what wraps, the index tensor, the dimension it indexes)
+    if name == "sdd":
+        wraps = [("row_indices * BLOCK_M", a["row_indices"], m), ("column_indices * BLOCK_N", a["column_indices"], n)]
+    elif name == "dsd":
+        index = a["column_indices_t"] if a["transpose_a"] else a["column_indices"]
+        # bk_block_incr = BLOCK_SIZE * stride_bk is a constant only when rhs.stride(0) == 1
+        wraps = [("column index * BLOCK_SIZE * stride_bk", index, k)] if a["rhs"].stride(0) == 1 else []
+    else:
+        index = a["column_indices"] if a["transpose_b"] else a["column_indices_t"]
+        # ak_block_incr = BLOCK_SIZE * stride_ak is a constant only when lhs.stride(1) == 1
+        wraps = [("row index * BLOCK_SIZE * stride_ak", index, k)] if a["lhs"].stride(1) == 1 else []
+    for what, index, dim in wraps:
+        if index.dtype == torch.int16 and dim - block >= _INT16_LIMIT:
+            return (f"stk's kernels compute {what} in int16 (Triton >= 3.2), which wraps for a block whose "
+                    f"element offset is {_INT16_LIMIT} or more: this matrix dimension has {dim} elements "
+                    f"(last block at {dim - block})")
+    tensors = {"sdd": ("lhs", "rhs", "out"), "dsd": ("data", "rhs", "out"), "dds": ("lhs", "data", "out")}[name]
+    for t in tensors:
+        if _max_offset(a[t]) >= _INT32_LIMIT:
+            return f"stk's kernels address '{t}' with int32 offsets, and it spans {_max_offset(a[t]) + 1} elements"
+    return None
+
+
+def _stk_implementation(name: str, backend: str) -> Callable:
+    if backend == "ascend":
+        from megablocks_ascend.kernels import blocksparse  # noqa: PLC0415
+        return getattr(blocksparse, name)
+    if backend == "torch":
+        return getattr(reference.blocksparse, name)
+    return _upstream_stk(name)
+
+
+def _make_stk_dispatcher(name: str) -> Callable:
+    params, device_arg = STK_SPECS[name]
+    signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+
+    def dispatcher(*args, **kwargs):
+        if not kwargs and len(args) == len(params):
+            a = dict(zip(params, args))
+        else:
+            a = signature.bind(*args, **kwargs).arguments
+        validation.check_blocksparse(name, a)
+        device = a[device_arg].device
+        backend = resolve(device)
+        if backend == "cuda":
+            why = stk_kernels_refusal(name, a)
+            if why is not None:
+                raise BackendUnavailable(
+                    f"MEGABLOCKS_BACKEND=cuda would run stk's own {name} kernel, which computes this call "
+                    f"wrongly: {why}. Use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
+        _record(name, backend, device)
+        _stk_implementation(name, backend)(**a)
+
+    dispatcher.__name__ = dispatcher.__qualname__ = name
+    dispatcher.__signature__ = signature
+    dispatcher.__doc__ = f"stk.backend.triton_kernels.{name}, served by the backend MEGABLOCKS_BACKEND selects."
+    dispatcher.__megablocks_ascend__ = True
+    return dispatcher
+
+
+STK_KERNELS: dict[str, Callable] = {name: _make_stk_dispatcher(name) for name in STK_SPECS}
