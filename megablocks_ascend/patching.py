@@ -289,6 +289,13 @@ def _apply_sparse_mlp_refusal(p: Patch) -> None:
     if probe.shared_expert_hidden_size != 8:
         raise PatchError(f"{target} no longer defaults shared_expert_hidden_size to ffn_hidden_size")
 
+    p.replace(target, lift_sparse_refusal(original))
+
+
+def lift_sparse_refusal(original: Callable) -> Callable:
+    """``Arguments.__post_init__`` without its refusal of ``mlp_impl="sparse"`` while stk's matmuls
+    on the layer's device are ours, and with the reason added to the refusal otherwise."""
+
     def __post_init__(self):
         if self.mlp_impl != "sparse":
             return original(self)
@@ -308,7 +315,7 @@ def _apply_sparse_mlp_refusal(p: Patch) -> None:
             self.mlp_impl = "sparse"
 
     __post_init__.__wrapped__ = original
-    p.replace(target, __post_init__)
+    return __post_init__
 
 
 PATCHES: tuple[Patch, ...] = (
