@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from megablocks_ascend import backends
+from megablocks_ascend import backends, validation
 
 _NS = "megablocks_ascend"
 
@@ -210,6 +210,11 @@ def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, colum
 
 def row_indices(shape, data, offsets, column_indices, out):
     if torch.compiler.is_compiling():
+        if out.dtype == torch.int16:
+            # The sparse dMoE's row count is data-dependent (padded_gather), and right after this
+            # call stk.Matrix compares it with its int16 limit, which the compiler cannot decide.
+            # Validation holds every call to the same limit; stating it here lets it decide.
+            torch._check(shape[0] <= validation.INT16_BLOCKS * data.shape[1])
         return stk_row_indices(list(shape), data.shape[0], data.shape[1], offsets, column_indices, out)
     return backends.STK_KERNELS["row_indices"](shape, data, offsets, column_indices, out)
 

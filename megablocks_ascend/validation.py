@@ -137,7 +137,9 @@ def check_values(op, *, indices, bins, bin_ids=None, weights=None, padded_bins=N
 # stk's block-sparse matmuls (stk.backend.triton_kernels.{sdd, dsd, dds, row_indices}).
 
 BLOCK_INDEX_DTYPES = (torch.int16, torch.int32)
-INT16_BLOCKS = 1 << 15  # int16 block indices address at most 32768 block rows / columns
+# stk.Matrix's own limit for int16 indices: at most 32767 blocks along each dimension (its
+# ``max_dim = iinfo(int16).max * blocking``); the same rule here, for every backend.
+INT16_BLOCKS = torch.iinfo(torch.int16).max
 
 
 class BlockSparseArgumentError(ValueError):
@@ -204,8 +206,8 @@ def _bs_index(op, name, t, n, dtypes=BLOCK_INDEX_DTYPES):
 
 def _bs_fits_int16(op, name, t, blocks, what):
     if t.dtype == torch.int16 and blocks > INT16_BLOCKS:
-        _bs_fail(op, name, f"is int16, which cannot index {blocks} block {what} (at most {INT16_BLOCKS}); "
-                 "use int32 indices")
+        _bs_fail(op, name, f"is int16, which cannot index {blocks} block {what} (at most {INT16_BLOCKS}, "
+                 "stk.Matrix's limit); use int32 indices")
 
 
 def _bs_topology(op, a, stored, block, nnz, transposed_metadata):
