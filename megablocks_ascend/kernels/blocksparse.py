@@ -83,11 +83,17 @@ _INT32_MAX = 2**31 - 1  # largest element offset the int32 kernels form (monkeyp
 # Shared pieces of the kernels.
 
 
+# (Helpers return one variable assigned under a constexpr if/else: triton-ascend 3.2.0's code
+# generator checks every return statement of a function against the others, taken or not.)
+
+
 @triton.jit
 def _widen(x, INT64: tl.constexpr):
     if INT64:
-        return x.to(tl.int64)
-    return x.to(tl.int32)
+        y = x.to(tl.int64)
+    else:
+        y = x.to(tl.int32)
+    return y
 
 
 @triton.jit
@@ -111,12 +117,12 @@ def _grouped(i, n, width, GROUP: tl.constexpr):
     lines column by column (item ``i`` of the walk is line ``i % GROUP`` of its group, column
     ``i // GROUP``); a last partial group keeps its order."""
     if GROUP == 1:
-        return i
-    size = GROUP * width
-    full = (n // size) * size
-    w = i % size
-    j = (i // size) * size + (w % GROUP) * width + w // GROUP
-    return tl.where(i < full, j, i)
+        j = i
+    else:
+        size = GROUP * width
+        w = i % size
+        j = tl.where(i < (n // size) * size, (i // size) * size + (w % GROUP) * width + w // GROUP, i)
+    return j
 
 
 @triton.jit
@@ -124,19 +130,22 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     """``acc + a @ b`` in float32 (``WIDEN``: operands widened to float32 first, see
     ``compat.dot_needs_float32``)."""
     if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
 def _tile_mask(rows, cols, r_bound, c_bound, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+    """The bounds mask of a tile; called only where one of ``MASK_R``, ``MASK_C`` is set."""
     if MASK_R and MASK_C:
-        return (rows[:, None] < r_bound) & (cols[None, :] < c_bound)
-    if MASK_R:
-        return rows[:, None] < r_bound
-    if MASK_C:
-        return cols[None, :] < c_bound
-    return None
+        mask = (rows[:, None] < r_bound) & (cols[None, :] < c_bound)
+    elif MASK_R:
+        mask = rows[:, None] < r_bound
+    else:
+        mask = cols[None, :] < c_bound
+    return mask
 
 
 @triton.jit
@@ -152,11 +161,14 @@ def _load(base, rows, cols, stride_r, stride_c, r_bound, c_bound,
             t = tl.load(ptrs, mask=_tile_mask(cols, rows, c_bound, r_bound, MASK_C, MASK_R), other=0.0)
         else:
             t = tl.load(ptrs)
-        return tl.trans(t)
-    ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
-    if MASK_R or MASK_C:
-        return tl.load(ptrs, mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C), other=0.0)
-    return tl.load(ptrs)
+        t = tl.trans(t)
+    else:
+        ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
+        if MASK_R or MASK_C:
+            t = tl.load(ptrs, mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C), other=0.0)
+        else:
+            t = tl.load(ptrs)
+    return t
 
 
 @triton.jit
@@ -164,11 +176,18 @@ def _store(base, rows, cols, stride_r, stride_c, value, r_bound, c_bound,
            COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
     """Stores ``value`` (``[len(rows), len(cols)]``) like :func:`_load` loads."""
     if COLUMN_MAJOR:
-        tl.store(base + cols[:, None] * stride_c + rows[None, :] * stride_r, tl.trans(value),
-                 mask=_tile_mask(cols, rows, c_bound, r_bound, MASK_C, MASK_R))
+        ptrs = base + cols[:, None] * stride_c + rows[None, :] * stride_r
+        value = tl.trans(value)
+        if MASK_R or MASK_C:
+            tl.store(ptrs, value, mask=_tile_mask(cols, rows, c_bound, r_bound, MASK_C, MASK_R))
+        else:
+            tl.store(ptrs, value)
     else:
-        tl.store(base + rows[:, None] * stride_r + cols[None, :] * stride_c, value,
-                 mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C))
+        ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
+        if MASK_R or MASK_C:
+            tl.store(ptrs, value, mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C))
+        else:
+            tl.store(ptrs, value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,13 +342,13 @@ def _needs_int64(*max_offsets: int) -> bool:
     return max(max_offsets) > _INT32_MAX
 
 
-def _precision(dtype: torch.dtype, device: torch.device):
-    """``tl.dot``'s input precision: float32 operands follow torch's TF32 switch on CUDA (tf32 only
-    where ``torch.backends.cuda.matmul.allow_tf32`` is on, as for torch's own matmuls), exact
-    elsewhere; 16-bit operands take the default."""
-    if dtype != torch.float32:
-        return None
-    if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+def _precision(dtype: torch.dtype, device: torch.device) -> str:
+    """``tl.dot``'s input precision: float32 operands follow torch's TF32 switch on CUDA (``tf32``
+    only where ``torch.backends.cuda.matmul.allow_tf32`` is on, as for torch's own matmuls), exact
+    (``ieee``) elsewhere. 16-bit operands are multiplied exactly either way; they get ``ieee``
+    too, because triton-ascend 3.2.0 has no default to fall back on (``input_precision=None``
+    raises there)."""
+    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
 
