@@ -1,11 +1,12 @@
-"""Which implementation serves each routing call, and a record of who served it.
+"""Which implementation serves each routing and block-sparse call, and a record of who served it.
 
 ``MEGABLOCKS_BACKEND`` (see :mod:`megablocks_ascend.envs`) or the :func:`use_backend`
 context manager picks one of:
 
-``ascend``  our Triton kernels (:mod:`megablocks_ascend.kernels.routing`): triton-ascend on
-            NPU tensors, standard Triton on CUDA tensors, the Triton interpreter on CPU tensors.
-``cuda``    upstream MegaBlocks' kernels (``megablocks.backend.kernels`` as shipped), CUDA only.
+``ascend``  our Triton kernels (:mod:`megablocks_ascend.kernels`): triton-ascend on NPU tensors,
+            standard Triton on CUDA tensors, the Triton interpreter on CPU tensors.
+``cuda``    upstream's kernels (``megablocks.backend.kernels``, ``stk.backend.triton_kernels`` as
+            shipped), CUDA only; stk's are refused where they compute wrong results.
 ``torch``   plain PyTorch (:mod:`megablocks_ascend.reference`), any device.
 ``auto``    by device: NPU -> ``ascend``, CUDA -> ``cuda``, CPU -> ``torch``.
 
@@ -24,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from megablocks_ascend import compat, envs, reference, validation
-from megablocks_ascend.kernels import routing
+from megablocks_ascend.kernels import blocksparse, routing
 
 BACKENDS = envs.BACKENDS
 _AUTO = {"npu": "ascend", "cuda": "cuda", "cpu": "torch"}
@@ -297,7 +298,6 @@ def stk_kernels_refusal(name: str, a: dict) -> str | None:
 
 def _stk_implementation(name: str, backend: str) -> Callable:
     if backend == "ascend":
-        from megablocks_ascend.kernels import blocksparse  # noqa: PLC0415
         return getattr(blocksparse, name)
     if backend == "torch":
         return getattr(reference.blocksparse, name)
@@ -313,9 +313,13 @@ def _make_stk_dispatcher(name: str) -> Callable:
             a = dict(zip(params, args))
         else:
             a = signature.bind(*args, **kwargs).arguments
-        validation.check_blocksparse(name, a)
+        block = validation.check_blocksparse(name, a)
         device = a[device_arg].device
         backend = resolve(device)
+        if backend == "ascend" and block not in blocksparse.BLOCK_SIZES:
+            raise BackendUnavailable(
+                f"MEGABLOCKS_BACKEND=ascend: our block-sparse kernels take blocks of "
+                f"{', '.join(map(str, blocksparse.BLOCK_SIZES))}, not {block}; use MEGABLOCKS_BACKEND=torch")
         if backend == "cuda":
             why = stk_kernels_refusal(name, a)
             if why is not None:

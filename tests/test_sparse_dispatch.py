@@ -327,7 +327,9 @@ VALUE_BAD = [
     ("offsets_t", lambda a: a["offsets_t"].copy_(torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32))),
     ("block_offsets_t", lambda a: a["block_offsets_t"].copy_(torch.tensor([0, 2, 3, 1, 1], dtype=torch.int32))),
     ("column_indices_t", lambda a: a["column_indices_t"].copy_(torch.tensor([0, 2, 2, 0, 0], dtype=torch.int16))),
-    ("block_offsets_t", lambda a: a["block_offsets_t"].copy_(torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32))),
+    # a permutation with matching column_indices_t, but not in column order
+    ("block_offsets_t", lambda a: (a["block_offsets_t"].copy_(torch.tensor([2, 0, 3, 1, 4], dtype=torch.int32)),
+                                   a["column_indices_t"].copy_(torch.tensor([2, 0, 2, 0, 2], dtype=torch.int16)))),
 ]
 
 

@@ -159,59 +159,66 @@ def test_row_indices(backend, kind, index_dtype, device):
     assert torch.equal(out.cpu(), top.row_indices.cpu())
 
 
-# Past int16: 2052 block rows and columns of 16 elements (32832 > 32768 + 16), so the last block
-# rows and columns start past element 32768. A handful of blocks keeps every tensor small.
-BIG_BLOCKS = [(0, 0), (0, 2051), (1100, 7), (2048, 2048), (2051, 3), (2051, 2051)]
+# Past int16: 2052 blocks of 16 elements (32832 > 32768 + 16), so the last block rows or columns
+# start past element 32768. sdd uses a square matrix (it only visits its blocks); dsd and dds put
+# the long dimension on the inner (K) side, so that their dense outputs stay small.
+BIG = 2052
+SDD_BLOCKS = [(0, 0), (0, BIG - 1), (1100, 7), (2048, 2048), (BIG - 1, 3), (BIG - 1, BIG - 1)]
+WIDE_BLOCKS = [(0, 0), (0, BIG - 1), (1, 2048), (1, 3)]  # 2 block rows, BIG block columns
+
+
+def _by_blocks(top, data, transpose):
+    """The blocks of op(S) as (block row, block column, float64 block)."""
+    for i, (r, c) in enumerate(top.blocks):
+        blk = bs.f64(data[i])
+        yield (c, r, blk.T) if transpose else (r, c, blk)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["sdd", "dsd", "dsd_t", "dds", "dds_t"])
 def test_block_offsets_past_int16(backend, op, device):
     gen = torch.Generator().manual_seed(5)
-    block = 16
-    top = bs.topology((2052 * block, 2052 * block), block, BIG_BLOCKS).to(device)
-    dtype = torch.float32
-    inner = 8
+    block, inner, dtype = 16, 8, torch.float32
     if op == "sdd":
+        top = bs.topology((BIG * block, BIG * block), block, SDD_BLOCKS).to(device)
         lhs = torch.randn(top.shape[0], inner, generator=gen).to(device)
         rhs = torch.randn(inner, top.shape[1], generator=gen).to(device)
         out = torch.full((top.nnz, block, block), float("nan"), device=device)
         _call("sdd", backend, lhs=lhs, rhs=rhs, shape=top.shape, out=out, offsets=top.offsets,
               row_indices=top.row_indices, column_indices=top.column_indices)
-        # Only the kept blocks' rows and columns of the product matter: compute those alone.
-        ref = torch.stack([bs.f64(lhs[r * block:(r + 1) * block]) @ bs.f64(rhs[:, c * block:(c + 1) * block])
-                           for r, c in top.blocks])
-        ref_abs = torch.stack([bs.f64(lhs[r * block:(r + 1) * block]).abs()
-                               @ bs.f64(rhs[:, c * block:(c + 1) * block]).abs() for r, c in top.blocks])
-        _assert_close(out, ref, ref_abs, inner, dtype, backend, device, "sdd")
+        # only the kept blocks' rows and columns of the product matter: compute those alone
+        rows = [bs.f64(lhs[r * block:(r + 1) * block]) for r, _ in top.blocks]
+        cols = [bs.f64(rhs[:, c * block:(c + 1) * block]) for _, c in top.blocks]
+        ref = torch.stack([a @ b for a, b in zip(rows, cols)])
+        ref_abs = torch.stack([a.abs() @ b.abs() for a, b in zip(rows, cols)])
+        _assert_close(out, ref, ref_abs, inner, dtype, backend, device, op)
         return
-    data = torch.randn(top.nnz, block, block, generator=gen).to(device)
     transpose = op.endswith("_t")
-    seen = top.shape  # square, so the transposed shape is the same
-    if op.startswith("dsd"):
+    wide = op.startswith("dsd") != transpose  # the stored matrix is 2 x BIG blocks (else BIG x 2)
+    blocks = WIDE_BLOCKS if wide else [(c, r) for r, c in WIDE_BLOCKS]
+    stored = (2 * block, BIG * block) if wide else (BIG * block, 2 * block)
+    top = bs.topology(stored, block, blocks).to(device)
+    data = torch.randn(top.nnz, block, block, generator=gen).to(device)
+    seen = stored[::-1] if transpose else stored
+    if op.startswith("dsd"):  # out [32, inner] = op(S) [32, 32832] @ rhs [32832, inner]
         rhs = torch.randn(seen[1], inner, generator=gen).to(device)
         out = torch.full((seen[0], inner), float("nan"), device=device)
         _call("dsd", backend, shape=seen, data=data, **top.metadata(), transpose_a=transpose, rhs=rhs, out=out)
         ref = torch.zeros(seen[0], inner, dtype=torch.float64)
         ref_abs = torch.zeros_like(ref)
-        for i, (r, c) in enumerate(top.blocks):
-            blk = bs.f64(data[i])
-            r, c, blk = (c, r, blk.T) if transpose else (r, c, blk)
+        for r, c, blk in _by_blocks(top, data, transpose):
             ref[r * block:(r + 1) * block] += blk @ bs.f64(rhs[c * block:(c + 1) * block])
             ref_abs[r * block:(r + 1) * block] += blk.abs() @ bs.f64(rhs[c * block:(c + 1) * block]).abs()
-        _assert_close(out, ref, ref_abs, 3 * block, dtype, backend, device, op)
-    else:
+    else:  # out [inner, 32] = lhs [inner, 32832] @ op(S) [32832, 32]
         lhs = torch.randn(inner, seen[0], generator=gen).to(device)
         out = torch.full((inner, seen[1]), float("nan"), device=device)
         _call("dds", backend, lhs=lhs, shape=seen, data=data, **top.metadata(), transpose_b=transpose, out=out)
         ref = torch.zeros(inner, seen[1], dtype=torch.float64)
         ref_abs = torch.zeros_like(ref)
-        for i, (r, c) in enumerate(top.blocks):
-            blk = bs.f64(data[i])
-            r, c, blk = (c, r, blk.T) if transpose else (r, c, blk)
+        for r, c, blk in _by_blocks(top, data, transpose):
             ref[:, c * block:(c + 1) * block] += bs.f64(lhs[:, r * block:(r + 1) * block]) @ blk
             ref_abs[:, c * block:(c + 1) * block] += bs.f64(lhs[:, r * block:(r + 1) * block]).abs() @ blk.abs()
-        _assert_close(out, ref, ref_abs, 3 * block, dtype, backend, device, op)
+    _assert_close(out, ref, ref_abs, 2 * block, dtype, backend, device, op)
 
 
 # ---------------------------------------------------------------------------------------------
