@@ -274,9 +274,9 @@ def main() -> int:
             print(f"   FAILED {name}: {last}")
     if report["boundary"]:
         print(f"\nint16 boundary (bf16, 128-blocks; stk's own kernel called directly)")
-        print(f"{'case':16} {'size':>6} {'cuda refused':>12} {'stk right':>9} {'consistent':>10} {'ascend right':>12}")
+        print(f"{'case':18} {'size':>6} {'cuda refused':>12} {'stk right':>9} {'consistent':>10} {'ascend right':>12}")
         for r in report["boundary"]:
-            print(f"{r['case']:16} {r['size']:6d} {str(r['refused']):>12} {str(r.get('stk_right', '-')):>9} "
+            print(f"{r['case']:18} {r['size']:6d} {str(r['refused']):>12} {str(r.get('stk_right', '-')):>9} "
                   f"{str(r.get('consistent', '-')):>10} {str(r['ascend_right']):>12}")
             ok &= r["ascend_right"] and r.get("consistent", True)
         expected = {(r["case"], r["size"]): r["size"] > LIMIT and r["case"] in (
