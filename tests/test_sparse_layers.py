@@ -268,3 +268,35 @@ def test_sparse_dmoe_compiles(mlp_type, memory_optimized, backend):
         want = _compile_step(layer, x)
     assert {c.backend for c in calls} == {backend} and {"sdd", "dsd", "row_indices"} <= {c.op for c in calls}
     torch.testing.assert_close(got, want)
+
+
+# Until the autocast branch is merged: strict xfails, so that they fail (XPASS) once it is and the
+# markers must go. stk's autograd functions ignore autocast off CUDA (stk.backend.autocast asks
+# CUDA only), so sdd gets bf16 activations and float32 weights (the stk-autocast-device patch fixes
+# it); the memory-optimized MLP reads ctx._dtype, which the plugin's custom_fwd does not set yet.
+_NEEDS_STK_AUTOCAST = pytest.mark.xfail(strict=True, raises=megablocks_ascend.BlockSparseArgumentError,
+                                        reason="needs the stk-autocast-device patch (branch autocast)")
+_NEEDS_CTX_DTYPE = pytest.mark.xfail(strict=True, raises=AttributeError,
+                                     reason="needs custom_fwd to set ctx._dtype (branch autocast)")
+
+
+@pytest.mark.parametrize("mlp_type,memory_optimized", [
+    pytest.param("mlp", False, marks=_NEEDS_STK_AUTOCAST), pytest.param("glu", False, marks=_NEEDS_STK_AUTOCAST),
+    pytest.param("mlp", True, marks=_NEEDS_CTX_DTYPE)])
+def test_sparse_dmoe_under_autocast(mlp_type, memory_optimized, device):
+    """float32 parameters under ``torch.autocast(bf16)``: the output within bf16 rounding of the
+    float32 layer's, float32 gradients."""
+    layer, args = make_sparse(device, mlp_type=mlp_type, memory_optimized=memory_optimized)
+    x = torch.randn(6, 3, args.hidden_size, device=device)
+    grad_out = torch.randn(6, 3, args.hidden_size, device=device)
+    want = run(layer, x, grad_out, "ascend")
+    layer.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_()
+    with megablocks_ascend.use_backend("ascend"), torch.autocast(device.type, dtype=torch.bfloat16):
+        out, bias = layer(xr)
+        out = out + bias
+    out.float().backward(grad_out)
+    clear_load_balancing_loss()
+    assert rel(out.float(), want[0]) < 3e-2
+    for name, p in layer.named_parameters():
+        assert p.grad.dtype == torch.float32 and rel(p.grad, want[2][name]) < 5e-2, name
