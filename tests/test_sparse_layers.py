@@ -292,10 +292,11 @@ def test_sparse_dmoe_under_autocast(mlp_type, memory_optimized, device):
     want = run(layer, x, grad_out, "ascend")
     layer.zero_grad(set_to_none=True)
     xr = x.clone().requires_grad_()
-    with megablocks_ascend.use_backend("ascend"), torch.autocast(device.type, dtype=torch.bfloat16):
-        out, bias = layer(xr)
-        out = out + bias
-    out.float().backward(grad_out)
+    with megablocks_ascend.use_backend("ascend"):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out, bias = layer(xr)
+            out = out + bias
+        out.float().backward(grad_out)
     clear_load_balancing_loss()
     assert rel(out.float(), want[0]) < 3e-2
     for name, p in layer.named_parameters():

@@ -266,3 +266,20 @@ def test_agrees_with_stks_own_kernels(backend, dtype, stk_own, device):
         _assert_close(theirs, ref, ref_abs, inner, dtype, "stk", device, f"stk's own {what}")
         _assert_close(ours, ref, ref_abs, inner, dtype, backend, device, what)
         _assert_close(ours, bs.f64(theirs), 2 * ref_abs, 2 * inner, dtype, backend, device, f"{what} vs stk's")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_enclosing_autocast_changes_nothing(backend, device):
+    """MegaBlocks' memory-optimized backward calls dsd/sdd directly with autocast on: the kernel
+    functions compute in their operands' dtype regardless (float32 here), bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    top = _topology("random", gen).to(device)
+    data = torch.randn(top.nnz, top.block, top.block, generator=gen).to(device)
+    rhs = torch.randn(top.shape[1], 20, generator=gen).to(device)
+    outs = []
+    for autocast in (False, True):
+        out = torch.full((top.shape[0], 20), float("nan"), device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            _call("dsd", backend, shape=top.shape, data=data, **top.metadata(), transpose_a=False, rhs=rhs, out=out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

@@ -12,6 +12,9 @@ blocks in column order; this module does not read it: the blocks' coordinates co
 ``row_indices`` and ``column_indices`` alone (swapped, with each block transposed, for a
 transposed operand), so a kernel that misreads the transposed metadata disagrees with it.
 
+Autocast: the products are float32 whatever autocast says (``torch.bmm`` would otherwise run in
+the autocast dtype; MegaBlocks' memory-optimized backward calls ``dsd`` with autocast on).
+
 Memory: no sparse operand is made dense. The products are batched matmuls over chunks of
 blocks, in float32, with at most :data:`CHUNK_ELEMENTS` float32 elements of temporaries per
 chunk; the dense outputs of ``dsd``/``dds`` are accumulated in float32 and cast once. Rows of
@@ -20,9 +23,22 @@ a dense output that no block reaches are zero, as in stk.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 CHUNK_ELEMENTS = 1 << 26  # float32 elements of temporaries per chunk of blocks (256 MiB)
+
+
+def _float32(fn):
+    """Run ``fn`` with autocast off on its tensors' device, so its float32 products stay float32."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        device = next(a.device for a in (*args, *kwargs.values())
+                      if isinstance(a, torch.Tensor) and a.device.type != "meta")
+        with torch.autocast(device.type, enabled=False):
+            return fn(*args, **kwargs)
+    return run
 
 
 def _chunks(n: int, elements_per_block: int):
@@ -40,6 +56,7 @@ def _blocks(data, row_indices, column_indices, transpose):
     return rows, cols, lambda s: data[s].float()
 
 
+@_float32
 def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices):
     """``out[i] = (lhs @ rhs)`` restricted to block ``i``: the blocks of a dense product that the
     topology keeps."""
@@ -52,6 +69,7 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices):
         out[s] = torch.bmm(a[rows[s]].float(), b[cols[s]].float()).to(out.dtype)
 
 
+@_float32
 def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
         transpose_a, rhs, out):
     """``out = A @ rhs``, ``A`` the sparse matrix (its transpose when ``transpose_a``; ``shape`` is
@@ -67,6 +85,7 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
     out.copy_(acc.view(m, n))
 
 
+@_float32
 def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
         transpose_b, out):
     """``out = lhs @ B``, ``B`` the sparse matrix (its transpose when ``transpose_b``; ``shape`` is
