@@ -259,7 +259,7 @@ def test_sparse_dmoe_compiles(mlp_type, memory_optimized, backend):
     padded_gather's row count is data-dependent (an unbacked size); everything after it traces
     (see docs/notes/sparse-dmoe.md). The memory-optimized MLP cannot be one graph: MegaBlocks'
     MemoryOptimizedMLP.backward sets ``requires_grad`` on a saved tensor, which Dynamo refuses
-    (the grouped one does the same); it compiles with that graph break."""
+    (the grouped one does the same); it compiles with a graph break there."""
     layer, args = make_sparse(torch.device("cpu"), mlp_type=mlp_type, memory_optimized=memory_optimized)
     x = torch.randn(4, 2, args.hidden_size)
     compiled = torch.compile(layer, fullgraph=not memory_optimized, backend="aot_eager")
