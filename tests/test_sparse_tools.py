@@ -49,3 +49,24 @@ def test_bench_sparse_dmoe_quick_cpu(tmp_path):
         if name.startswith("sparse"):
             assert {"sdd", "dsd"} <= {s.split(":")[0] for s in r["served"]}, name
     assert report["targets"]["all_correct"] and report["targets"]["ours_never_refused"]
+
+
+def test_selftest_checks_the_block_sparse_kernels(monkeypatch, capsys):
+    """``python -m megablocks_ascend selftest`` (the first thing to run on an NPU) covers stk's
+    calls too, and fails when one of our block-sparse kernels is wrong."""
+    import torch
+
+    from megablocks_ascend import selftest
+    from megablocks_ascend.kernels import blocksparse
+
+    original = blocksparse.dsd
+
+    def broken(*args, **kwargs):
+        original(*args, **kwargs)
+        kwargs["out"].mul_(1.01)  # the dispatcher passes arguments by name
+
+    monkeypatch.setattr(blocksparse, "dsd", broken)
+    assert selftest.run(torch.device("cpu"), dtypes=(torch.float32,), families=("blocksparse",)) == 1
+    table = capsys.readouterr().out
+    assert [line.split()[-2] for line in table.splitlines() if line.startswith("dsd ")] == ["FAIL", "FAIL"]
+    assert all(line.split()[-2] == "ok" for line in table.splitlines() if line.startswith(("sdd ", "dds ")))
