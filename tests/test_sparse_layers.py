@@ -27,6 +27,7 @@ from megablocks.layers.dmoe import dMoE
 from megablocks.layers.moe import clear_load_balancing_loss
 from test_layers import dense_reference, rel
 
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 SPARSE_OPS = {"padded_gather", "padded_scatter", "padded_scatter_wgrad", "row_indices", "sdd", "dsd"}
 
 
@@ -260,6 +261,11 @@ def test_sparse_dmoe_compiles(mlp_type, memory_optimized, backend):
     (see docs/notes/sparse-dmoe.md). The memory-optimized MLP cannot be one graph: MegaBlocks'
     MemoryOptimizedMLP.backward sets ``requires_grad`` on a saved tensor, which Dynamo refuses
     (the grouped one does the same); it compiles with a graph break there."""
+    if not memory_optimized and _TORCH[:2] == (2, 7):
+        pytest.skip("torch 2.7's Dynamo cannot trace the sparse dMoE as one graph: it refuses "
+                    "padded_gather's data-dependent output size (unless capture_dynamic_output_shape_ops "
+                    "is set), and then guards on whether an unbacked size is 0 in MegaBlocks' TopologyOp "
+                    "(torch.empty of rows x blocks per row); torch 2.13 traces both (docs/notes/sparse-dmoe.md)")
     layer, args = make_sparse(torch.device("cpu"), mlp_type=mlp_type, memory_optimized=memory_optimized)
     x = torch.randn(4, 2, args.hidden_size)
     compiled = torch.compile(layer, fullgraph=not memory_optimized, backend="aot_eager")
