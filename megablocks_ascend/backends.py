@@ -253,11 +253,12 @@ def _max_offset(t: torch.Tensor) -> int:
 def stk_kernels_refusal(name: str, a: dict) -> str | None:
     """Why stk 0.7.1's own Triton kernels cannot compute this (validated) call correctly, or None.
 
-    The conditions come from reading stk's kernels (the derivation is in
-    ``patches/stk-kernels.md``): its kernels are compiled for 128 x 128 blocks and unmasked
-    tiles; with Triton >= 3.2 a product of an int16 block index and a compile-time constant
-    stays int16, so an element offset of 32768 or more wraps (stride arguments equal to 1 are
-    compile-time constants too); and every other offset is int32.
+    The conditions come from reading stk's kernels and the IR Triton makes of them (the
+    derivation is in ``patches/stk-kernels.md``): its kernels are compiled for 128 x 128 blocks
+    and unmasked tiles; ``_sdd_kernel`` multiplies its int16 block indices by the ``BLOCK_M`` /
+    ``BLOCK_N`` constants, which with Triton >= 3.2 stays int16 and wraps at 32768 (``dsd`` and
+    ``dds`` multiply by a local variable, which Triton makes an int32 value); every other offset
+    is int32.
     """
     block = a["out"].shape[1] if name == "sdd" else a["data"].shape[1]
     if name == "row_indices":
@@ -273,22 +274,13 @@ def stk_kernels_refusal(name: str, a: dict) -> str | None:
     if m % 128 or n % 128 or k % 32:
         return (f"stk's kernels need M and N multiples of 128 and K of 32 (no masked tiles); this call "
                 f"multiplies [{m}, {k}] by [{k}, {n}]")
-    # int16 block-index arithmetic: (what wraps, the index tensor, the dimension it indexes)
-    if name == "sdd":
-        wraps = [("row_indices * BLOCK_M", a["row_indices"], m), ("column_indices * BLOCK_N", a["column_indices"], n)]
-    elif name == "dsd":
-        index = a["column_indices_t"] if a["transpose_a"] else a["column_indices"]
-        # bk_block_incr = BLOCK_SIZE * stride_bk is a constant only when rhs.stride(0) == 1
-        wraps = [("column index * BLOCK_SIZE * stride_bk", index, k)] if a["rhs"].stride(0) == 1 else []
-    else:
-        index = a["column_indices"] if a["transpose_b"] else a["column_indices_t"]
-        # ak_block_incr = BLOCK_SIZE * stride_ak is a constant only when lhs.stride(1) == 1
-        wraps = [("row index * BLOCK_SIZE * stride_ak", index, k)] if a["lhs"].stride(1) == 1 else []
-    for what, index, dim in wraps:
-        if index.dtype == torch.int16 and dim - block >= _INT16_LIMIT:
-            return (f"stk's kernels compute {what} in int16 (Triton >= 3.2), which wraps for a block whose "
-                    f"element offset is {_INT16_LIMIT} or more: this matrix dimension has {dim} elements "
-                    f"(last block at {dim - block})")
+    if name == "sdd":  # pid_m * BLOCK_M and pid_n * BLOCK_N, with pid_m/pid_n loaded from the indices
+        for what, index, dim in (("row_indices * BLOCK_M", a["row_indices"], m),
+                                 ("column_indices * BLOCK_N", a["column_indices"], n)):
+            if index.dtype == torch.int16 and dim - block >= _INT16_LIMIT:
+                return (f"stk's sdd kernel computes {what} in int16 (Triton >= 3.2), which wraps for a block "
+                        f"whose element offset is {_INT16_LIMIT} or more: this matrix dimension has {dim} "
+                        f"elements (last block at {dim - block})")
     tensors = {"sdd": ("lhs", "rhs", "out"), "dsd": ("data", "rhs", "out"), "dds": ("lhs", "data", "out")}[name]
     for t in tensors:
         if _max_offset(a[t]) >= _INT32_LIMIT:

@@ -390,8 +390,8 @@ PATCHES: tuple[Patch, ...] = (
         name="stk-kernels",
         targets=tuple(f"stk.backend.triton_kernels.{n}" for n in ("sdd", "dsd", "dds", "row_indices")),
         why="stk's block-sparse matmuls, which the sparse dMoE runs, are written for NVIDIA GPUs, and with "
-            "Triton >= 3.2 they compute wrong results (or read out of bounds) once a sparse matrix has more "
-            "than 32768 rows or columns: arithmetic on their int16 block indices stays int16.",
+            "Triton >= 3.2 its sdd computes wrong results (or reads out of bounds) once the sparse matrix has "
+            "more than 32768 rows or columns: arithmetic on its int16 block indices stays int16.",
         how="Each function is replaced by an entry point that validates its inputs and hands them to the "
             "backend MEGABLOCKS_BACKEND selects: our Triton kernels (ascend), stk's own function (cuda, "
             "refused with BackendUnavailable where it overflows), or plain PyTorch (torch); a "

@@ -180,12 +180,13 @@ REFUSALS = [
     ("sdd-k-not-32", "sdd", lambda: _sdd_meta(256, 256, k=48), "K of 32"),
     ("dsd-contiguous-rhs", "dsd", lambda: _dsd_meta(256, EDGE), None),
     ("dsd-rhs-t-at-limit", "dsd", lambda: _dsd_meta(256, 32768, rhs_t=True), None),
-    ("dsd-rhs-t-past", "dsd", lambda: _dsd_meta(256, EDGE, rhs_t=True), "stride_bk"),
-    ("dsd-transposed-rhs-t-past", "dsd", lambda: _dsd_meta(256, EDGE, rhs_t=True, transpose_a=True), "stride_bk"),
+    # dsd and dds multiply their int16 indices by a local int32 value: no wrap (see the IR test below)
+    ("dsd-rhs-t-past", "dsd", lambda: _dsd_meta(256, EDGE, rhs_t=True), None),
+    ("dsd-transposed-rhs-t-past", "dsd", lambda: _dsd_meta(256, EDGE, rhs_t=True, transpose_a=True), None),
     ("dsd-n-not-128", "dsd", lambda: _dsd_meta(256, 256, n=96), "multiples of 128"),
     ("dds-contiguous-lhs-at-limit", "dds", lambda: _dds_meta(32768, 256), None),
-    ("dds-contiguous-lhs-past", "dds", lambda: _dds_meta(EDGE, 256), "stride_ak"),
-    ("dds-transposed-past", "dds", lambda: _dds_meta(EDGE, 256, transpose_b=True), "stride_ak"),
+    ("dds-contiguous-lhs-past", "dds", lambda: _dds_meta(EDGE, 256), None),
+    ("dds-transposed-past", "dds", lambda: _dds_meta(EDGE, 256, transpose_b=True), None),
     ("dds-lhs-t-view", "dds", lambda: _dds_meta(EDGE, 256, lhs_t=True), None),
     ("dds-int32-indices", "dds", lambda: _dds_meta(EDGE, 256, index_dtype=torch.int32), None),
     # int32 offsets: 2**31 elements end at offset 2**31 - 1, one more block row does not fit
@@ -467,3 +468,57 @@ def test_mlp_impl_is_restored_when_the_original_raises():
     with megablocks_ascend.use_backend("torch"), pytest.raises(RuntimeError, match="boom"):
         patching.lift_sparse_refusal(failing)(args)
     assert seen == [patching._SPARSE_LIFTED] and args.mlp_impl == "sparse"
+
+
+_IR_SCRIPT = r"""
+import json, os, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import megablocks_ascend  # after triton (so no interpreter): its patches, e.g. for a driverless Triton
+import stk.backend.triton_kernels as k
+
+def ttir(fn, sig, consts):
+    try:
+        src = ASTSource(fn, sig, constexprs=consts)
+    except TypeError:  # older Triton
+        src = ASTSource(fn, sig, constants=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+
+common = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+          "stride_ak": "constexpr", "stride_bk": "constexpr", "stride_bn": "i32", "stride_cm": "i32",
+          "stride_cn": "constexpr", "row_indices": "*i16", "column_indices": "*i16"}
+tiles = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "BLOCK_SIZE": 128, "GROUP_M": 128, "ACC_TYPE": tl.float32}
+ones = {"stride_ak": 1, "stride_bk": 1, "stride_cn": 1}  # unit strides are compile-time constants
+out = {}
+for name in ("sdd", "dsd", "dds"):
+    sig, consts = dict(common), {**ones, **tiles}
+    if name != "sdd":
+        sig.update(offsets="*i32", block_offsets_t="*i32", trans_A="constexpr", trans_B="constexpr")
+        consts.update(trans_A=False, trans_B=False)
+    sig.update({c: "constexpr" for c in tiles})
+    text = ttir(getattr(k, f"_{name}_kernel").fn, sig, consts)
+    out[name] = [line.split("=")[0].strip() for line in text.splitlines() if "arith.muli" in line and ": i16" in line]
+print(json.dumps(out))
+"""
+
+
+def test_stks_int16_arithmetic_is_exactly_where_the_refusal_says():
+    """The refusal's premise, read off the IR Triton makes of stk's kernels (compiled for sm_90
+    here, to TTIR; no GPU needed): only ``_sdd_kernel`` multiplies in int16 (``rm``, ``rn``), even
+    with every unit stride a compile-time constant; ``_dsd_kernel`` / ``_dds_kernel`` widen the
+    loaded index to int32 first. A new Triton that changes this fails here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    r = subprocess.run([sys.executable, "-c", _IR_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0 and "active drivers" in r.stderr:
+        pytest.skip("this Triton cannot import stk without a driver (the driverless patch is not here): "
+                    + r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    muls = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sorted(muls["sdd"]) == ["%rm", "%rn"], muls
+    assert muls["dsd"] == [] and muls["dds"] == [], muls
