@@ -54,3 +54,27 @@ def test_ab_routing_quick_cpu(tmp_path):
     assert {r["op"] for r in report["ab"] if "ok" not in r} == {"route_map[0]", "route_map[1]", "route_map[2]"}
     assert not any("WRONG" in name for name in report["patterns"]["quick"])  # the probe kernel's copy is exact
     assert len(report["host"]) == 15
+
+
+def test_bench_blocksparse_quick_cpu(tmp_path):
+    """benchmarks/bench_blocksparse.py --quick: MegaBlocks' topology at a tiny shape, every kernel call
+    of the sparse dMoE checked against the float32 reference, stk's own kernels in a child process,
+    the sweep; table and JSON."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env.pop("OUT", None)
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_blocksparse.py"), "--quick", "--out",
+                        str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    report = json.loads((tmp_path / "bench_blocksparse.json").read_text())
+    (res,) = report["results"].values()
+    calls = [r["call"] for r in res["rows"]]
+    assert len(calls) == 6 and {r["form"] for r in res["rows"]} == {"sdd", "dsd", "dsdT"}
+    assert all(r["ok"] and r["unwritten"] == 0 and r["ms"] > 0 for r in res["rows"])
+    # stk's kernels ran in the child (block indices are small here, so they are correct too)
+    assert all(r["stk"].get("ok") and r["stk"]["ms"] > 0 for r in res["rows"]), [r["stk"] for r in res["rows"]]
+    assert res["row_indices_ok"] and res["sweep"] and all(r["ok"] for r in res["sweep"])
+    assert report["targets"]["all_checks_pass"]["met"] is True
+    assert report["targets"]["each_kernel_70pct_of_dense"]["met"] is None  # no GPU: not applicable
+    table = p.stdout[p.stdout.index("shape     call"):]
+    for call in calls:
+        assert any(line.startswith("quick") and call in line for line in table.splitlines()), call
