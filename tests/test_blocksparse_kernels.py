@@ -118,6 +118,9 @@ def poisoned(*shape, dtype, layout="row"):
 
 
 def assert_close(out, ref, dtype, what=""):
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    if ref.numel() == 0:
+        return
     out = out.double()
     assert not torch.isnan(out).any(), f"{what}: {int(torch.isnan(out).sum())} elements not written"
     scale = max(ref.abs().max().item(), 1e-30)
@@ -463,3 +466,158 @@ def test_matches_stk_kernels_where_they_are_correct():
         bs.dds(y, (mm, kk), data, *topo.meta(), transpose, ours)
         stk_kernels.dds(y, (mm, kk), data, *topo.meta(), transpose, theirs)
         assert_close(ours, theirs.double(), dtype, f"dds vs stk T={transpose}")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a ValueError naming the argument, before any launch, the caller's tensors untouched.
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel was launched for bad input")
+
+
+def _valid(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(13)
+    topo = make_topology("random", 2, 3, 16, gen)
+    m, n = topo.shape
+    base = dict(
+        topo=topo,
+        lhs=torch.randn(m, 24, generator=gen).to(dtype),
+        rhs=torch.randn(24, n, generator=gen).to(dtype),
+        blocks=torch.full((topo.nnz, 16, 16), 7.0, dtype=dtype),
+        data=torch.randn(topo.nnz, 16, 16, generator=gen).to(dtype),
+        x=torch.randn(n, 8, generator=gen).to(dtype),
+        y=torch.randn(8, m, generator=gen).to(dtype),
+        out_dsd=torch.full((m, 8), 7.0, dtype=dtype),
+        out_dds=torch.full((8, n), 7.0, dtype=dtype),
+        rows=torch.full((topo.nnz,), 7, dtype=torch.int16),
+    )
+    return base
+
+
+def _sdd(b, **kw):
+    t = b["topo"]
+    a = dict(lhs=b["lhs"], rhs=b["rhs"], shape=t.shape, out=b["blocks"], offsets=t.offsets,
+             row_indices=t.row_indices, column_indices=t.column_indices)
+    a.update(kw)
+    return lambda: bs.sdd(**a)
+
+
+def _dsd(b, **kw):
+    t = b["topo"]
+    a = dict(shape=t.shape, data=b["data"], offsets=t.offsets, row_indices=t.row_indices,
+             column_indices=t.column_indices, offsets_t=t.offsets_t, column_indices_t=t.column_indices_t,
+             block_offsets_t=t.block_offsets_t, transpose_a=False, rhs=b["x"], out=b["out_dsd"])
+    a.update(kw)
+    return lambda: bs.dsd(**a)
+
+
+def _dds(b, **kw):
+    t = b["topo"]
+    a = dict(lhs=b["y"], shape=t.shape, data=b["data"], offsets=t.offsets, row_indices=t.row_indices,
+             column_indices=t.column_indices, offsets_t=t.offsets_t, column_indices_t=t.column_indices_t,
+             block_offsets_t=t.block_offsets_t, transpose_b=False, out=b["out_dds"])
+    a.update(kw)
+    return lambda: bs.dds(**a)
+
+
+def _rows(b, **kw):
+    t = b["topo"]
+    a = dict(shape=t.shape, data=None, offsets=t.offsets, column_indices=t.column_indices, out=b["rows"])
+    a.update(kw)
+    return lambda: bs.row_indices(**a)
+
+
+BAD = {
+    # sdd
+    "sdd lhs dtype": (lambda b: _sdd(b, lhs=b["lhs"].double()), "lhs", "dtype"),
+    "sdd rhs dtype differs": (lambda b: _sdd(b, rhs=b["rhs"].half()), "rhs", "one dtype"),
+    "sdd rhs on another device": (lambda b: _sdd(b, rhs=b["rhs"].to("meta")), "rhs", "meta"),
+    "sdd inner dims": (lambda b: _sdd(b, rhs=b["rhs"][:20]), "rhs", "rows"),
+    "sdd shape": (lambda b: _sdd(b, shape=(32, 32)), "shape", "product"),
+    "sdd shape not 2-D": (lambda b: _sdd(b, shape=(32,)), "shape", "two"),
+    "sdd out block size 8": (lambda b: _sdd(b, out=torch.zeros(b["topo"].nnz, 8, 8)), "out", "block size 8"),
+    "sdd out not square": (lambda b: _sdd(b, out=torch.zeros(b["topo"].nnz, 16, 32)), "out", "square"),
+    "sdd out not 3-D": (lambda b: _sdd(b, out=torch.zeros(b["topo"].nnz, 256)), "out", "3-D"),
+    "sdd row_indices int64": (lambda b: _sdd(b, row_indices=b["topo"].row_indices.long()), "row_indices", "dtype"),
+    "sdd column_indices length": (lambda b: _sdd(b, column_indices=b["topo"].column_indices[:-1]),
+                                  "column_indices", "entries"),
+    "sdd offsets length": (lambda b: _sdd(b, offsets=b["topo"].offsets[:-1]), "offsets", "entries"),
+    "sdd offsets dtype": (lambda b: _sdd(b, offsets=b["topo"].offsets.long()), "offsets", "dtype"),
+    "sdd bad tile": (lambda b: _sdd(b, tile=devices.CubeTile(32, 16, 16)), "tile", "block size 16"),
+    # dsd
+    "dsd data dtype": (lambda b: _dsd(b, data=b["data"].to(torch.int32)), "data", "dtype"),
+    "dsd rhs dtype differs": (lambda b: _dsd(b, rhs=b["x"].half()), "rhs", "one dtype"),
+    "dsd rhs rows": (lambda b: _dsd(b, rhs=b["x"][:-16]), "rhs", "rows"),
+    "dsd shape not a multiple": (lambda b: _dsd(b, shape=(40, 48)), "shape", "multiple"),
+    "dsd out shape": (lambda b: _dsd(b, out=b["out_dsd"][:-1]), "out", "shape"),
+    "dsd transpose_a not bool": (lambda b: _dsd(b, transpose_a=1), "transpose_a", "bool"),
+    "dsd too many blocks": (lambda b: _dsd(b, data=torch.zeros(7, 16, 16)), "data", "blocks"),
+    "dsd block_offsets_t dtype": (lambda b: _dsd(b, shape=b["topo"].shape[::-1], transpose_a=True,
+                                                 rhs=b["y"].t().contiguous(), out=b["out_dds"].t().contiguous(),
+                                                 block_offsets_t=b["topo"].block_offsets_t.short()),
+                                  "block_offsets_t", "dtype"),
+    "dsd offsets_t length": (lambda b: _dsd(b, shape=b["topo"].shape[::-1], transpose_a=True,
+                                            rhs=b["y"].t().contiguous(), out=b["out_dds"].t().contiguous(),
+                                            offsets_t=b["topo"].offsets), "offsets_t", "entries"),
+    # dds
+    "dds lhs cols": (lambda b: _dds(b, lhs=b["y"][:, :-1]), "lhs", "columns"),
+    "dds out shape": (lambda b: _dds(b, out=b["out_dds"].t()), "out", "shape"),
+    "dds transpose_b not bool": (lambda b: _dds(b, transpose_b=None), "transpose_b", "bool"),
+    "dds column_indices_t dtype": (lambda b: _dds(b, column_indices_t=b["topo"].column_indices_t.float()),
+                                   "column_indices_t", "dtype"),
+    "dds data block size 256": (lambda b: _dds(b, data=torch.zeros(1, 256, 256)), "data", "block size 256"),
+    # row_indices
+    "row_indices out length": (lambda b: _rows(b, out=b["rows"][:-1]), "out", "entries"),
+    "row_indices out dtype": (lambda b: _rows(b, out=b["rows"].float()), "out", "dtype"),
+    "row_indices offsets dtype": (lambda b: _rows(b, offsets=b["topo"].offsets.long()), "offsets", "dtype"),
+    "row_indices int16 out, too many rows": (
+        lambda b: _rows(b, offsets=torch.zeros(2**15 + 2, dtype=torch.int32), column_indices=torch.zeros(0, dtype=torch.int16),
+                        out=torch.zeros(0, dtype=torch.int16)), "out", "int16"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_is_refused_before_any_launch(monkeypatch, case):
+    for name in ("_sdd", "_dsd", "_dds", "_row_indices"):
+        monkeypatch.setattr(bs, name, _NoLaunch())
+    make, arg, words = BAD[case]
+    b = _valid()
+    before = {k: v.clone() for k, v in b.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError) as info:
+        make(b)()
+    msg = str(info.value)
+    assert msg.startswith(arg + ":"), msg
+    assert words in msg, msg
+    for k, v in before.items():
+        assert torch.equal(b[k], v), k
+
+
+def test_the_bad_input_base_is_valid():
+    b = _valid()
+    for make in (_sdd, _dsd, _dds, _rows):
+        make(b)()
+    assert torch.equal(b["rows"], b["topo"].row_indices)
+
+
+# --------------------------------------------------------------------------------------------
+# Property: any topology, block size, dense size, layout, transpose and grid.
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 4), cols=st.integers(1, 4), block=st.sampled_from([16, 32]),
+       density=st.floats(0.0, 1.0), dense=st.integers(1, 40), transpose=st.booleans(),
+       layout=st.sampled_from(LAYOUTS), num_programs=st.integers(1, 5), seed=st.integers(0, 2**16),
+       index_dtype=st.sampled_from([torch.int16, torch.int32]))
+def test_any_topology(rows, cols, block, density, dense, transpose, layout, num_programs, seed, index_dtype):
+    gen = torch.Generator().manual_seed(seed)
+    topo = topology_from_mask(torch.rand(rows, cols, generator=gen) < density, block, index_dtype)
+    dtype = torch.float32
+    launch = dict(num_programs=num_programs)
+    assert_close(*run_sdd(topo, dense, dtype, gen, layout, "col", **launch), dtype, "sdd")
+    assert_close(*run_dsd(topo, dense, dtype, gen, transpose, layout, **launch), dtype, "dsd")
+    assert_close(*run_dds(topo, dense, dtype, gen, transpose, layout, **launch), dtype, "dds")
