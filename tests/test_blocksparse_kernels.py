@@ -4,6 +4,10 @@ Every sparse operand is built here from a block mask (BCSR metadata and the tran
 computed independently of the kernels, the way MegaBlocks' ``sparse_transpose`` does: a stable
 sort of the column indices), its dense float64 form from the same blocks; every output is poisoned
 with NaN first, so an element the kernel does not write fails the check.
+
+Inputs are drawn on the CPU and the kernels run on the ``device`` fixture's device (the CPU
+interpreter by default; ``MEGABLOCKS_ASCEND_TEST_DEVICE=cuda TRITON_INTERPRET=0`` runs this file
+on a GPU, compiled); references are float64 on the CPU.
 """
 
 from __future__ import annotations
@@ -104,6 +108,21 @@ def dense_of(topo: Topology, data: torch.Tensor) -> torch.Tensor:
     return out
 
 
+DEV = torch.device("cpu")  # where the kernels run: set from the device fixture
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_on_the_test_device(device):
+    global DEV
+    DEV = device
+
+
+def on(*tensors):
+    """The tensors on the test device (``to`` keeps a transposed view's strides)."""
+    moved = tuple(t.to(DEV) for t in tensors)
+    return moved if len(moved) > 1 else moved[0]
+
+
 def randn(*shape, dtype, gen, layout="row"):
     """A dense operand of ``shape``, row-major or as a column-major (transposed) view."""
     if layout == "row":
@@ -140,10 +159,11 @@ def run_sdd(topo, k, dtype, gen, lhs_layout="row", rhs_layout="row", **launch):
     m, n = topo.shape
     lhs = randn(m, k, dtype=dtype, gen=gen, layout=lhs_layout)
     rhs = randn(k, n, dtype=dtype, gen=gen, layout=rhs_layout)
-    out = poisoned(topo.nnz, topo.block, topo.block, dtype=dtype)
-    res = bs.sdd(lhs, rhs, topo.shape, out, topo.offsets, topo.row_indices, topo.column_indices, **launch)
+    out = on(poisoned(topo.nnz, topo.block, topo.block, dtype=dtype))
+    res = bs.sdd(on(lhs), on(rhs), topo.shape, out, *on(topo.offsets, topo.row_indices, topo.column_indices),
+                 **launch)
     assert res is out
-    return out, sdd_ref(lhs, rhs, topo)
+    return out.cpu(), sdd_ref(lhs, rhs, topo)
 
 
 def run_dsd(topo, n, dtype, gen, transpose_a, rhs_layout="row", out_layout="row", **launch):
@@ -153,9 +173,9 @@ def run_dsd(topo, n, dtype, gen, transpose_a, rhs_layout="row", out_layout="row"
     a = dense.t() if transpose_a else dense
     m, k = a.shape
     rhs = randn(k, n, dtype=dtype, gen=gen, layout=rhs_layout)
-    out = poisoned(m, n, dtype=dtype, layout=out_layout)
-    bs.dsd((m, k), data, *topo.meta(), transpose_a, rhs, out, **launch)
-    return out, a @ rhs.double()
+    out = on(poisoned(m, n, dtype=dtype, layout=out_layout))
+    bs.dsd((m, k), on(data), *on(*topo.meta()), transpose_a, on(rhs), out, **launch)
+    return out.cpu(), a @ rhs.double()
 
 
 def run_dds(topo, m, dtype, gen, transpose_b, lhs_layout="row", out_layout="row", **launch):
@@ -165,9 +185,9 @@ def run_dds(topo, m, dtype, gen, transpose_b, lhs_layout="row", out_layout="row"
     s = dense.t() if transpose_b else dense
     k, n = s.shape
     lhs = randn(m, k, dtype=dtype, gen=gen, layout=lhs_layout)
-    out = poisoned(m, n, dtype=dtype, layout=out_layout)
-    bs.dds(lhs, (k, n), data, *topo.meta(), transpose_b, out, **launch)
-    return out, lhs.double() @ s
+    out = on(poisoned(m, n, dtype=dtype, layout=out_layout))
+    bs.dds(on(lhs), (k, n), on(data), *on(*topo.meta()), transpose_b, out, **launch)
+    return out.cpu(), lhs.double() @ s
 
 
 LAYOUTS = ("row", "col")
@@ -283,9 +303,9 @@ def test_empty_sparse_matrix(index_dtype):
         assert torch.equal(out, torch.zeros_like(out)) and not ref.any()
         out, ref = run_dds(topo, 8, torch.float32, gen, transpose)
         assert torch.equal(out, torch.zeros_like(out)) and not ref.any()
-    rows = torch.empty(0, dtype=index_dtype)
-    assert bs.row_indices(topo.shape, torch.empty(0, 16, 16, device="meta"), topo.offsets,
-                          topo.column_indices, rows) is rows
+    rows = on(torch.empty(0, dtype=index_dtype))
+    assert bs.row_indices(topo.shape, torch.empty(0, 16, 16, device="meta"), *on(topo.offsets, topo.column_indices),
+                          rows) is rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,9 +344,9 @@ def test_block_indices_past_int16_element_offsets(index_dtype):
     # ... or S's rows
     assert_close(*run_dds(tall, 16, dtype, gen, False), dtype, "dds")
     assert_close(*run_dds(wide, 16, dtype, gen, True), dtype, "dds^T")
-    rows = torch.full((tall.nnz,), -1, dtype=index_dtype)
-    bs.row_indices(tall.shape, None, tall.offsets, tall.column_indices, rows)
-    assert torch.equal(rows, tall.row_indices)
+    rows = on(torch.full((tall.nnz,), -1, dtype=index_dtype))
+    bs.row_indices(tall.shape, None, *on(tall.offsets, tall.column_indices), rows)
+    assert torch.equal(rows.cpu(), tall.row_indices)
 
 
 def test_int64_kernels_give_the_same_results(monkeypatch):
@@ -419,8 +439,8 @@ def test_row_indices(pattern, out_dtype, num_programs):
     gen = torch.Generator().manual_seed(11)
     topo = make_topology(pattern, 6, 3, 16, gen)
     data = torch.empty(topo.nnz, 16, 16, device="meta")  # as MegaBlocks passes it: never read
-    out = torch.full((topo.nnz,), -1, dtype=out_dtype)
-    assert bs.row_indices(topo.shape, data, topo.offsets, topo.column_indices, out,
+    out = on(torch.full((topo.nnz,), -1, dtype=out_dtype))
+    assert bs.row_indices(topo.shape, data, *on(topo.offsets, topo.column_indices), out,
                           num_programs=num_programs) is out
     assert out.tolist() == topo.row_indices.tolist()
 
@@ -430,8 +450,8 @@ def test_row_indices_of_rows_longer_than_one_store():
     mask[0, :5] = True
     mask[2] = True  # 300 blocks: three stores of ROW_INDICES_BLOCK
     topo = topology_from_mask(mask, 16)
-    out = torch.full((topo.nnz,), -1, dtype=torch.int16)
-    bs.row_indices(topo.shape, None, topo.offsets, topo.column_indices, out)
+    out = on(torch.full((topo.nnz,), -1, dtype=torch.int16))
+    bs.row_indices(topo.shape, None, *on(topo.offsets, topo.column_indices), out)
     assert out.tolist() == topo.row_indices.tolist()
 
 
@@ -444,28 +464,27 @@ def test_matches_stk_kernels_where_they_are_correct():
 
     gen = torch.Generator().manual_seed(12)
     topo = make_topology("holes", 2, 3, 128, gen)
-    dtype = torch.float16
+    dtype = torch.float16  # the interpreter's tl.dot is wrong on bfloat16, and stk does not widen
     m, n = topo.shape
-    lhs = randn(m, 128, dtype=dtype, gen=gen)
-    rhs = randn(128, n, dtype=dtype, gen=gen, layout="col")
-    ours = poisoned(topo.nnz, 128, 128, dtype=dtype)
-    theirs = poisoned(topo.nnz, 128, 128, dtype=dtype)
-    bs.sdd(lhs, rhs, topo.shape, ours, topo.offsets, topo.row_indices, topo.column_indices)
-    stk_kernels.sdd(lhs, rhs, topo.shape, theirs, topo.offsets, topo.row_indices, topo.column_indices)
-    assert_close(ours, theirs.double(), dtype, "sdd vs stk")
-    data = torch.randn(topo.nnz, 128, 128, generator=gen).to(dtype)
+    meta = on(*topo.meta())
+    lhs, rhs = on(randn(m, 128, dtype=dtype, gen=gen), randn(128, n, dtype=dtype, gen=gen, layout="col"))
+    ours, theirs = on(poisoned(topo.nnz, 128, 128, dtype=dtype), poisoned(topo.nnz, 128, 128, dtype=dtype))
+    bs.sdd(lhs, rhs, topo.shape, ours, meta[0], meta[1], meta[2])
+    stk_kernels.sdd(lhs, rhs, topo.shape, theirs, meta[0], meta[1], meta[2])
+    assert_close(ours.cpu(), theirs.cpu().double(), dtype, "sdd vs stk")
+    data = on(torch.randn(topo.nnz, 128, 128, generator=gen).to(dtype))
     for transpose in (False, True):
         mm, kk = (n, m) if transpose else (m, n)
-        x = randn(kk, 128, dtype=dtype, gen=gen)
-        ours, theirs = poisoned(mm, 128, dtype=dtype), poisoned(mm, 128, dtype=dtype)
-        bs.dsd((mm, kk), data, *topo.meta(), transpose, x, ours)
-        stk_kernels.dsd((mm, kk), data, *topo.meta(), transpose, x, theirs)
-        assert_close(ours, theirs.double(), dtype, f"dsd vs stk T={transpose}")
-        y = randn(128, mm, dtype=dtype, gen=gen)
-        ours, theirs = poisoned(128, kk, dtype=dtype), poisoned(128, kk, dtype=dtype)
-        bs.dds(y, (mm, kk), data, *topo.meta(), transpose, ours)
-        stk_kernels.dds(y, (mm, kk), data, *topo.meta(), transpose, theirs)
-        assert_close(ours, theirs.double(), dtype, f"dds vs stk T={transpose}")
+        x = on(randn(kk, 128, dtype=dtype, gen=gen))
+        ours, theirs = on(poisoned(mm, 128, dtype=dtype), poisoned(mm, 128, dtype=dtype))
+        bs.dsd((mm, kk), data, *meta, transpose, x, ours)
+        stk_kernels.dsd((mm, kk), data, *meta, transpose, x, theirs)
+        assert_close(ours.cpu(), theirs.cpu().double(), dtype, f"dsd vs stk T={transpose}")
+        y = on(randn(128, mm, dtype=dtype, gen=gen))
+        ours, theirs = on(poisoned(128, kk, dtype=dtype), poisoned(128, kk, dtype=dtype))
+        bs.dds(y, (mm, kk), data, *meta, transpose, ours)
+        stk_kernels.dds(y, (mm, kk), data, *meta, transpose, theirs)
+        assert_close(ours.cpu(), theirs.cpu().double(), dtype, f"dds vs stk T={transpose}")
 
 
 # --------------------------------------------------------------------------------------------
