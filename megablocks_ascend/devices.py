@@ -272,7 +272,14 @@ def _npu_cube_tile(kind: str, es: int, block_size: int, dense: int) -> CubeTile:
                     break  # the largest k that fits for this (m, n)
     if best is None:  # cannot happen for block sizes >= 16: 16 x 16 x 16 always fits
         raise ValueError(f"no {kind} cube tile fits the A2 budget at block size {block_size}")
-    return best[1]
+    return dataclasses.replace(best[1], group=CUBE_GROUP)
+
+
+# Tiles walked in groups of 8 rows (kernels/blocksparse.py): the tiles in flight share operand rows
+# and columns in the L2. For the mixtral-like sdd (132 block rows of one expert's 117 MB weight)
+# row-major order reads each expert's weight once per block row, ~15 GB per call; in groups of 8
+# rows, once per group: ~1.9 GB (docs/notes/blocksparse-kernels.md).
+CUBE_GROUP = 8
 
 
 # CUDA (NVIDIA, measured on an H200: benchmarks/bench_blocksparse.py, docs/notes/blocksparse-kernels.md).
