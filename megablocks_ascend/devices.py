@@ -282,9 +282,12 @@ def _npu_cube_tile(kind: str, es: int, block_size: int, dense: int) -> CubeTile:
 CUBE_GROUP = 8
 
 
-# CUDA (NVIDIA, measured on an H200: benchmarks/bench_blocksparse.py, docs/notes/blocksparse-kernels.md).
-# Per kind: (tile for 2-byte operands, tile for fp32 operands) at block size 128; smaller blocks
-# clip the sides that lie inside a block.
+# CUDA (NVIDIA). Per kind: (tile for 2-byte operands, tile for fp32 operands) at block size 128;
+# smaller blocks clip the sides that lie inside a block. Starting points, not yet measured: the usual
+# Hopper matmul shapes (128 x 256 x 64 with 8 warps and 3 stages where the output tile may be that
+# wide; 128 x 128 x 64, two programs per SM, inside a block). benchmarks/bench_blocksparse.py sweeps
+# candidates on an H200; its best per call form is what belongs here
+# (docs/notes/blocksparse-kernels.md).
 CUDA_CUBE_TILES = {
     "sdd": (CubeTile(128, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=2),
             CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=2)),
