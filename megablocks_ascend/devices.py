@@ -272,12 +272,22 @@ def _npu_cube_tile(kind: str, es: int, block_size: int, dense: int) -> CubeTile:
                     break  # the largest k that fits for this (m, n)
     if best is None:  # cannot happen for block sizes >= 16: 16 x 16 x 16 always fits
         raise ValueError(f"no {kind} cube tile fits the A2 budget at block size {block_size}")
-    return best[1]
+    return dataclasses.replace(best[1], group=CUBE_GROUP)
 
 
-# CUDA (NVIDIA, measured on an H200: benchmarks/bench_blocksparse.py, docs/notes/blocksparse-kernels.md).
-# Per kind: (tile for 2-byte operands, tile for fp32 operands) at block size 128; smaller blocks
-# clip the sides that lie inside a block.
+# Tiles walked in groups of 8 rows (kernels/blocksparse.py): the tiles in flight share operand rows
+# and columns in the L2. For the mixtral-like sdd (132 block rows of one expert's 117 MB weight)
+# row-major order reads each expert's weight once per block row, ~15 GB per call; in groups of 8
+# rows, once per group: ~1.9 GB (docs/notes/blocksparse-kernels.md).
+CUBE_GROUP = 8
+
+
+# CUDA (NVIDIA). Per kind: (tile for 2-byte operands, tile for fp32 operands) at block size 128;
+# smaller blocks clip the sides that lie inside a block. Starting points, not yet measured: the usual
+# Hopper matmul shapes (128 x 256 x 64 with 8 warps and 3 stages where the output tile may be that
+# wide; 128 x 128 x 64, two programs per SM, inside a block). benchmarks/bench_blocksparse.py sweeps
+# candidates on an H200; its best per call form is what belongs here
+# (docs/notes/blocksparse-kernels.md).
 CUDA_CUBE_TILES = {
     "sdd": (CubeTile(128, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=2),
             CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=2)),

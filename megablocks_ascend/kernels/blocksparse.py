@@ -36,7 +36,8 @@ Every kernel has a 1-D persistent grid (``devices.num_programs(..., unit="cube")
 per AI core on an NPU, ``programs_per_sm`` per SM on CUDA, a few in the interpreter); program ``p``
 computes output tiles ``p, p + P, p + 2P, ...``, each a ``BLOCK_M x BLOCK_N`` float32 accumulator
 (``tl.dot``) over K-steps of ``BLOCK_K``, cast to ``out``'s dtype once and stored once. Tile sizes
-come from ``devices.cube_tile`` (the A2 cube budget on an NPU, a measured table on CUDA).
+come from ``devices.cube_tile`` (the A2 cube budget on an NPU, a table on CUDA that the H200
+sweep of ``benchmarks/bench_blocksparse.py`` sets).
 
 ``_sdd``  one tile is a ``BLOCK_M x BLOCK_N`` piece of one non-zero block; the K loop runs over the
           dense inner dimension (masked at its end). Blocks are visited in groups of ``GROUP`` block
