@@ -260,11 +260,12 @@ def stk_kernels_refusal(name: str, a: dict) -> str | None:
     ``dds`` multiply by a local variable, which Triton makes an int32 value); every other offset
     is int32.
     """
-    block = a["out"].shape[1] if name == "sdd" else a["data"].shape[1]
     if name == "row_indices":
         return None  # one store per block of a row number that validation checked fits the dtype
+    block = a["out"].shape[1] if name == "sdd" else a["data"].shape[1]
     if block != STK_BLOCK_SIZE:
-        return f"stk's kernels compute {STK_BLOCK_SIZE} x {STK_BLOCK_SIZE} blocks only; this matrix has {block} x {block}"
+        return (f"stk's kernels compute {STK_BLOCK_SIZE} x {STK_BLOCK_SIZE} blocks only; this matrix has "
+                f"{block} x {block}")
     if name == "sdd":
         (m, k), n = a["lhs"].shape, a["rhs"].shape[1]
     elif name == "dsd":
@@ -316,8 +317,9 @@ def _make_stk_dispatcher(name: str) -> Callable:
             why = stk_kernels_refusal(name, a)
             if why is not None:
                 raise BackendUnavailable(
-                    f"MEGABLOCKS_BACKEND=cuda would run stk's own {name} kernel, which computes this call "
-                    f"wrongly: {why}. Use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
+                    f"MEGABLOCKS_BACKEND={requested()} would run stk's own {name} kernel, which cannot compute "
+                    f"this call correctly: {why}. Use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch "
+                    "(plain PyTorch)")
         _record(name, backend, device)
         _stk_implementation(name, backend)(**a)
 
