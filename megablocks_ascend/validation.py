@@ -180,14 +180,16 @@ def _bs_blocks(op, name, t):
     return t.shape[0], t.shape[1]
 
 
-def _bs_dense(op, name, t, rows, cols, like_name, like):
+def _bs_dense(op, name, t, rows, cols, like_name, like, operand=True):
+    """A dense matrix: an operand (read by stk's stride rule, below) or an output (``operand=False``,
+    written through its strides, whatever they are)."""
     _bs_tensor(op, name, t, 2, FLOAT_DTYPES)
     if t.dtype != like.dtype:
         _bs_fail(op, name, f"has dtype {_dtype_name(t.dtype)} but '{like_name}' has {_dtype_name(like.dtype)}")
     if (rows is not None and t.shape[0] != rows) or (cols is not None and t.shape[1] != cols):
         want = ", ".join("?" if d is None else str(d) for d in (rows, cols))
         _bs_fail(op, name, f"must have shape ({want}), got {tuple(t.shape)}")
-    if t.stride(0) > 1 and t.stride(1) > 1:
+    if operand and t.stride(0) > 1 and t.stride(1) > 1:
         _bs_fail(op, name, f"has strides {t.stride()}: stk reads a dense operand whose strides are both > 1 as the "
                  "transpose of itself, so it must be contiguous or the .t() of a contiguous tensor")
 
@@ -248,11 +250,11 @@ def check_blocksparse(op, a):
         _bs_multiple(op, shape, block, "data")
         if op == "dsd":  # out [M, N] = sparse [M, K] @ rhs [K, N]
             _bs_dense(op, "rhs", a["rhs"], shape[1], None, "data", a["data"])
-            _bs_dense(op, "out", a["out"], shape[0], a["rhs"].shape[1], "data", a["data"])
+            _bs_dense(op, "out", a["out"], shape[0], a["rhs"].shape[1], "data", a["data"], operand=False)
             dense = "rhs"
         else:  # out [M, N] = lhs [M, K] @ sparse [K, N]
             _bs_dense(op, "lhs", a["lhs"], None, shape[0], "data", a["data"])
-            _bs_dense(op, "out", a["out"], a["lhs"].shape[0], shape[1], "data", a["data"])
+            _bs_dense(op, "out", a["out"], a["lhs"].shape[0], shape[1], "data", a["data"], operand=False)
             dense = "lhs"
         stored = shape[::-1] if a[transpose] else shape
         _bs_topology(op, a, stored, block, nnz, transposed_metadata=True)

@@ -285,3 +285,30 @@ def test_an_enclosing_autocast_changes_nothing(backend, device):
             _call("dsd", backend, shape=top.shape, data=data, **top.metadata(), transpose_a=False, rhs=rhs, out=out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["dsd", "dds"])
+def test_an_output_view_is_written_through_its_strides(backend, op, device):
+    """stk writes dsd/dds's ``out`` by its strides (MegaBlocks' memory-optimized backward hands it
+    the incoming gradient): a strided view gets exactly its elements, the rest of its storage
+    stays as it was."""
+    gen = torch.Generator().manual_seed(8)
+    top = _topology("random", gen).to(device)
+    data = torch.randn(top.nnz, top.block, top.block, generator=gen).to(device)
+    a = bs.dense(top, data)
+    if op == "dsd":
+        dense = torch.randn(a.shape[1], 20, generator=gen).to(device)
+        shape_out, ref, ref_abs, inner = (a.shape[0], 20), a @ bs.f64(dense), a.abs() @ bs.f64(dense).abs(), a.shape[1]
+        kwargs = dict(shape=top.shape, data=data, **top.metadata(), transpose_a=False, rhs=dense)
+    else:
+        dense = torch.randn(20, a.shape[0], generator=gen).to(device)
+        shape_out, ref, ref_abs, inner = (20, a.shape[1]), bs.f64(dense) @ a, bs.f64(dense).abs() @ a.abs(), a.shape[0]
+        kwargs = dict(lhs=dense, shape=top.shape, data=data, **top.metadata(), transpose_b=False)
+    storage = torch.full((shape_out[0] * 2, shape_out[1] * 3), 7.0, device=device)
+    out = storage[::2, ::3]  # both strides > 1
+    _call(op, backend, **kwargs, out=out)
+    _assert_close(out, ref, ref_abs, inner, torch.float32, backend, device, op)
+    untouched = torch.ones_like(storage, dtype=torch.bool)
+    untouched[::2, ::3] = False
+    assert bool((storage[untouched] == 7.0).all())
