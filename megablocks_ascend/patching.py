@@ -310,9 +310,9 @@ def install() -> None:
             if patch.name not in _STANDINS and importlib.util.find_spec("megablocks") is None:
                 raise PatchError("MegaBlocks is not installed (pip install --no-deps megablocks==0.10.0; "
                                  "see the README)")
+            done.append(patch)  # before apply: a patch that fails half-way is rolled back too
             patch.apply(patch)
             patch.applied = True
-            done.append(patch)
     except BaseException:
         for patch in reversed(done):
             patch.revert()
