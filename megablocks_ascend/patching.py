@@ -169,6 +169,24 @@ def _apply_arguments_device(p: Patch) -> None:
     p.replace("megablocks.layers.arguments:Arguments.__init__", __init__)
 
 
+def _redecorate(p: Patch, cls_target: str, upstream: tuple[Callable, Callable], ours: tuple[Callable, Callable],
+                what: str) -> None:
+    """Re-decorate ``cls_target``'s ``forward``/``backward``: their undecorated functions (found
+    through ``__wrapped__``) wrapped by ``ours`` instead of the ``upstream`` decorators (``what``)."""
+    module_name, cls_name = cls_target.split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    for method, decorate, wrap in zip(("forward", "backward"), upstream, ours):
+        sm = cls.__dict__.get(method)
+        wrapper = getattr(sm, "__func__", None)
+        inner = getattr(wrapper, "__wrapped__", None)
+        # Every function a decorator returns shares the code object of its inner wrapper.
+        expected_code = decorate(lambda *args: None).__code__
+        if not isinstance(sm, staticmethod) or inner is None \
+                or getattr(wrapper, "__code__", None) is not expected_code:
+            raise PatchError(f"{cls_target}.{method} is no longer a staticmethod wrapped by {what}")
+        p.replace(f"{cls_target}.{method}", staticmethod(wrap(inner)))
+
+
 def _apply_autocast(p: Patch) -> None:
     from megablocks_ascend import autocast  # noqa: PLC0415
     target = "megablocks.layers.common.cast_if_autocast_enabled"
@@ -176,15 +194,9 @@ def _apply_autocast(p: Patch) -> None:
     _expect_params(target, getattr(owner, attr), ("tensor",))
     p.replace(target, autocast.cast_if_autocast_enabled)
     for cls_target in AUTOCAST_FUNCTIONS:
-        module_name, cls_name = cls_target.split(":")
-        cls = getattr(importlib.import_module(module_name), cls_name)
-        for method, wrap in (("forward", autocast.custom_fwd), ("backward", autocast.custom_bwd)):
-            sm = cls.__dict__.get(method)
-            inner = getattr(getattr(sm, "__func__", None), "__wrapped__", None)
-            if not isinstance(sm, staticmethod) or inner is None:
-                raise PatchError(f"{cls_target}.{method} is no longer a staticmethod wrapped by "
-                                 "torch.amp.custom_fwd/custom_bwd")
-            p.replace(f"{cls_target}.{method}", staticmethod(wrap(inner)))
+        _redecorate(p, cls_target,
+                    (torch.amp.custom_fwd(device_type="cuda"), torch.amp.custom_bwd(device_type="cuda")),
+                    (autocast.custom_fwd, autocast.custom_bwd), "torch.amp.custom_fwd/custom_bwd")
 
 
 AUTOCAST_FUNCTIONS = (
@@ -266,7 +278,9 @@ PATCHES: tuple[Patch, ...] = (
             "so on other devices they ignore the caller's autocast state.",
         how="cast_if_autocast_enabled is replaced by a version that asks autocast about the "
             "tensor's own device type; the four custom autograd functions are re-wrapped with "
-            "decorators that take the device type from their inputs.",
+            "decorators that keep torch.amp.custom_fwd/custom_bwd's contract (ctx._dtype, "
+            "ctx._fwd_used_autocast, the backward under the forward's autocast state) but take the "
+            "device type from their inputs.",
         upstream_fix="Use torch.is_autocast_enabled(x.device.type) and pass the device type through.",
         apply=_apply_autocast,
     ),
