@@ -207,6 +207,23 @@ AUTOCAST_FUNCTIONS = (
 )
 
 
+def _apply_stk_autocast(p: Patch) -> None:
+    from megablocks_ascend import autocast  # noqa: PLC0415
+    import stk.backend.autocast  # noqa: PLC0415
+    for cls_target in STK_AUTOCAST_FUNCTIONS:
+        _redecorate(p, cls_target, (stk.backend.autocast.custom_fwd, stk.backend.autocast.custom_bwd),
+                    (autocast.custom_fwd(cast_inputs=True), autocast.custom_bwd),
+                    "stk.backend.autocast.custom_fwd/custom_bwd")
+
+
+# stk.backend.sputnik's RowIndices is not decorated (it only handles index tensors).
+STK_AUTOCAST_FUNCTIONS = (
+    "stk.backend.sputnik:SDD",
+    "stk.backend.sputnik:DSD",
+    "stk.backend.sputnik:DDS",
+)
+
+
 def _apply_kernels(p: Patch) -> None:
     from megablocks_ascend import backends  # noqa: PLC0415
     import megablocks.backend.kernels as upstream  # noqa: PLC0415
@@ -283,6 +300,19 @@ PATCHES: tuple[Patch, ...] = (
             "device type from their inputs.",
         upstream_fix="Use torch.is_autocast_enabled(x.device.type) and pass the device type through.",
         apply=_apply_autocast,
+    ),
+    Patch(
+        name="stk-autocast-device",
+        targets=tuple(f"{c}.{m}" for c in STK_AUTOCAST_FUNCTIONS for m in ("forward", "backward")),
+        why="stk's autocast decorators (stk.backend.autocast) ask only CUDA's autocast and cast only "
+            "CUDA tensors, so under autocast on an NPU or the CPU its block-sparse matmuls get "
+            "operands of mixed dtypes.",
+        how="SDD, DSD and DDS's undecorated forward/backward are re-wrapped with "
+            "megablocks_ascend.autocast.custom_fwd(cast_inputs=True)/custom_bwd: the same rule "
+            "(floating inputs cast to the autocast dtype, forward and backward with autocast off) "
+            "for the device type of the inputs.",
+        upstream_fix="Use torch.amp.custom_fwd(device_type=x.device.type, cast_inputs=...) in stk.",
+        apply=_apply_stk_autocast,
     ),
     Patch(
         name="routing-kernels",
