@@ -395,13 +395,14 @@ def _run_op(op, backend, x, weights, r, grad=None, amp=None):
     return out.detach(), x.grad, (w.grad if w is not None else None), grad
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("amp", AMP)
 @pytest.mark.parametrize("op", ROUTING_OPS)
-def test_routing_op_under_autocast_is_the_op_on_inputs_cast_to_the_autocast_dtype(device, op, amp):
+def test_routing_op_under_autocast_is_the_op_on_inputs_cast_to_the_autocast_dtype(device, op, amp, top_k):
     """Under autocast: x and the router weights are cast to the autocast dtype, the kernels run on
     that (upstream MegaBlocks' rule on CUDA, via stk's custom_fwd), and the gradients come back in
     the inputs' own dtypes. Bit for bit the op called on explicitly cast inputs."""
-    r = _routing(device)
+    r = _routing(device, top_k=top_k)
     x, weights = _x_for(op, r, device), torch.rand(r["tokens"] * r["top_k"], device=device)
     for backend in _backends(device):
         out, xg, wg, grad = _run_op(op, backend, x, weights, r, amp=amp)
@@ -421,13 +422,14 @@ def _ulp(t, dtype):
     return torch.exp2(exponent - _MANTISSA_BITS[dtype])
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("op", sorted(WEIGHTED))
-def test_weighted_routing_op_with_bf16_activations_and_float32_weights(device, op):
+def test_weighted_routing_op_with_bf16_activations_and_float32_weights(device, op, top_k):
     """Without autocast, the dtypes are not unified: the output and x's gradient have x's dtype,
     the float32 weights are used as they are (products and the top_k sum in float32, rounded once
     to x's dtype), and the weights' gradient, computed in float32 and stored in x's dtype like
     upstream's kernels do, reaches the float32 weights as float32."""
-    r = _routing(device)
+    r = _routing(device, top_k=top_k)
     x = _x_for(op, r, device).to(torch.bfloat16)
     weights = torch.rand(r["tokens"] * r["top_k"], device=device)
     for backend in _backends(device):
