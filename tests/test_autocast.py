@@ -293,27 +293,28 @@ def test_every_implementation_gets_the_cast_operands(monkeypatch, impl):
     """The cast happens before the implementation is chosen, so ``torch._grouped_mm`` and
     ``npu_grouped_matmul`` (neither registered with autocast) see bf16 operands. CPU tensors with
     the choice forced and each implementation replaced by a recorder that runs the loop; the real
-    ``torch._grouped_mm`` and NPU branches are tested in test_grouped_gemm.py."""
+    ``torch._grouped_mm`` and NPU branches are tested in test_grouped_gemm.py. (With ``c`` given,
+    ``gmm`` runs in this module directly; without, it goes through the ``megablocks_ascend::gmm``
+    custom op, which test_grouped_gemm.py's second copy of the module re-registers.)"""
     seen = []
+    loop = gg._gmm_loop
 
     def recorder(a, b, batch_sizes, sizes, trans_a, trans_b, c):
         seen.append((a.dtype, b.dtype))
-        c = torch.empty(gg._output_shape(a, b, len(sizes), trans_a, trans_b), dtype=a.dtype) if c is None else c
-        return gg._gmm_loop(a, b, sizes, trans_a, trans_b, c)
+        return loop(a, b, sizes, trans_a, trans_b, c)
 
     monkeypatch.setattr(gg, "_select_impl", lambda *args, **kwargs: impl)
     monkeypatch.setattr(gg, "_gmm_grouped_mm", recorder)
     monkeypatch.setattr(gg, "_gmm_npu", recorder)
-    monkeypatch.setattr(gg, "_gmm_loop", partial(_recording_loop, seen, gg._gmm_loop))
+    monkeypatch.setattr(gg, "_gmm_loop", lambda a, b, sizes, trans_a, trans_b, c: recorder(a, b, None, sizes, trans_a,
+                                                                                       trans_b, c))
     a, b, sizes = _gmm_inputs(torch.device("cpu"), False, True)
+    c = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = gg.backend.gmm(a, b, sizes, trans_b=True)
-    assert out.dtype == torch.bfloat16 and seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
-
-
-def _recording_loop(seen, loop, a, b, sizes, trans_a, trans_b, c):
-    seen.append((a.dtype, b.dtype))
-    return loop(a, b, sizes, trans_a, trans_b, c)
+        out = gg.backend.gmm(a, b, sizes, trans_b=True, c=c)
+    assert out is c and seen == [(torch.bfloat16, torch.bfloat16)]
+    assert torch.equal(c, loop(a.to(torch.bfloat16), b.to(torch.bfloat16), [int(n) for n in sizes], False, True,
+                               torch.empty_like(c)))
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
