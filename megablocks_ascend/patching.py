@@ -209,9 +209,11 @@ AUTOCAST_FUNCTIONS = (
 
 def _apply_stk_autocast(p: Patch) -> None:
     from megablocks_ascend import autocast  # noqa: PLC0415
-    import stk.backend.autocast  # noqa: PLC0415
+    # By module name, not attribute: after a failed `import megablocks` (no driver, say) the
+    # package `stk` can lack its `backend` attribute although the submodule is importable.
+    upstream = importlib.import_module("stk.backend.autocast")
     for cls_target in STK_AUTOCAST_FUNCTIONS:
-        _redecorate(p, cls_target, (stk.backend.autocast.custom_fwd, stk.backend.autocast.custom_bwd),
+        _redecorate(p, cls_target, (upstream.custom_fwd, upstream.custom_bwd),
                     (autocast.custom_fwd(cast_inputs=True), autocast.custom_bwd),
                     "stk.backend.autocast.custom_fwd/custom_bwd")
 
