@@ -12,6 +12,8 @@ table's entropy.
     python examples/train_moe.py                  # MoE (capacity-limited, binned routing)
     python examples/train_moe.py --layer dmoe     # dMoE (dropless, grouped GEMM)
     python examples/train_moe.py --layer dmoe --mlp-impl sparse   # dMoE on stk's block-sparse matmuls
+    python examples/train_moe.py --amp bf16       # float32 parameters, forward under torch.autocast
+    python examples/train_moe.py --amp fp16       # the same in fp16, with a GradScaler
     MEGABLOCKS_BACKEND=torch python examples/train_moe.py   # the pure-PyTorch reference path
 """
 
@@ -99,6 +101,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: npu if present, else cuda, else cpu")
+    p.add_argument("--amp", choices=("bf16", "fp16"), default=None,
+                   help="mixed precision: float32 parameters, forward under torch.autocast in this "
+                        "dtype (fp16 with torch.amp.GradScaler); default: float32 throughout")
     a = p.parse_args()
 
     torch.manual_seed(a.seed)
@@ -115,11 +120,14 @@ def main() -> None:
     layer_cls = MoE if a.layer == "moe" else dMoE
     model = TinyMoELM(args, layer_cls, a.vocab, a.seq).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
     table = bigram_language(a.vocab, successors=3, generator=gen)
     entropy = float(-(table * table.clamp_min(1e-30).log()).sum(-1).mean())
 
     print(f"{layer_cls.__name__} ({a.mlp_type if a.layer == 'dmoe' else 'mlp'}), {a.experts} experts, top_k={a.top_k}, "
-          f"device={device}, MEGABLOCKS_BACKEND={megablocks_ascend.requested()}")
+          f"device={device}, MEGABLOCKS_BACKEND={megablocks_ascend.requested()}, "
+          f"{'autocast ' + a.amp if amp else 'float32'}")
     print(f"loss starts near log(vocab) = {math.log(a.vocab):.2f}; the data's entropy is {entropy:.2f}")
     start = time.time()
     served = set()
@@ -127,13 +135,15 @@ def main() -> None:
     for step in range(1, a.steps + 1):
         tokens = sample(table, a.seq, a.batch, gen).to(device)
         with megablocks_ascend.trace() as calls:
-            logits = model(tokens[:-1])
-            lm_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, a.vocab), tokens[1:].reshape(-1))
-            loss = lm_loss + batched_load_balancing_loss(args)
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                logits = model(tokens[:-1])
+                lm_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, a.vocab), tokens[1:].reshape(-1))
+                loss = lm_loss + batched_load_balancing_loss(args)
             clear_load_balancing_loss()
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-        opt.step()
+            scaler.scale(loss).backward()
+        scaler.step(opt)  # a plain opt.step() unless fp16
+        scaler.update()
         served |= {(c.op, c.backend) for c in calls}
         first = lm_loss.item() if first is None else first
         last = lm_loss.item()

@@ -6,6 +6,22 @@ through :mod:`megablocks_ascend.backends`, so ``MEGABLOCKS_BACKEND`` decides who
 and the autocast handling follows the tensors' device instead of assuming CUDA. Under
 ``torch.compile`` the kernels are called as ``torch.library`` custom ops
 (:mod:`megablocks_ascend.library`), so these Functions trace without graph breaks.
+
+Dtypes, the same on every backend (``ascend``, ``torch``, ``cuda``):
+
+* Under ``torch.autocast`` for the device type of ``x``: every floating-point input (``x``, and the
+  router ``weights`` of the scatters) is cast to the autocast dtype, and the kernels run on those
+  with autocast off (:func:`~megablocks_ascend.autocast.custom_fwd` with ``cast_inputs=True``:
+  the rule of stk's ``custom_fwd``, which upstream's ops apply on CUDA only). The result has the
+  autocast dtype, bit for bit what the op gives for inputs cast beforehand, and each input's
+  gradient comes back in that input's own dtype (float32 weights get float32 gradients).
+* Without autocast, dtypes are not unified. The output, and the gradient of ``x``, have ``x``'s
+  dtype. ``weights`` may have another floating-point dtype than ``x`` (bf16 tokens with float32
+  router weights): they are read as they are, products and the top_k sum are formed in float32 and
+  rounded once to ``x``'s dtype. The weights' gradient is computed in float32 and stored in
+  ``x``'s dtype (as upstream's kernels allocate it); autograd hands it to float32 weights as
+  float32.
+* Index tensors (``indices``, ``bin_ids``, ``bins``, ``padded_bins``) are never cast.
 """
 
 from __future__ import annotations

@@ -170,6 +170,24 @@ def _apply_arguments_device(p: Patch) -> None:
     p.replace("megablocks.layers.arguments:Arguments.__init__", __init__)
 
 
+def _redecorate(p: Patch, cls_target: str, upstream: tuple[Callable, Callable], ours: tuple[Callable, Callable],
+                what: str) -> None:
+    """Re-decorate ``cls_target``'s ``forward``/``backward``: their undecorated functions (found
+    through ``__wrapped__``) wrapped by ``ours`` instead of the ``upstream`` decorators (``what``)."""
+    module_name, cls_name = cls_target.split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    for method, decorate, wrap in zip(("forward", "backward"), upstream, ours):
+        sm = cls.__dict__.get(method)
+        wrapper = getattr(sm, "__func__", None)
+        inner = getattr(wrapper, "__wrapped__", None)
+        # Every function a decorator returns shares the code object of its inner wrapper.
+        expected_code = decorate(lambda *args: None).__code__
+        if not isinstance(sm, staticmethod) or inner is None \
+                or getattr(wrapper, "__code__", None) is not expected_code:
+            raise PatchError(f"{cls_target}.{method} is no longer a staticmethod wrapped by {what}")
+        p.replace(f"{cls_target}.{method}", staticmethod(wrap(inner)))
+
+
 def _apply_autocast(p: Patch) -> None:
     from megablocks_ascend import autocast  # noqa: PLC0415
     target = "megablocks.layers.common.cast_if_autocast_enabled"
@@ -177,15 +195,9 @@ def _apply_autocast(p: Patch) -> None:
     _expect_params(target, getattr(owner, attr), ("tensor",))
     p.replace(target, autocast.cast_if_autocast_enabled)
     for cls_target in AUTOCAST_FUNCTIONS:
-        module_name, cls_name = cls_target.split(":")
-        cls = getattr(importlib.import_module(module_name), cls_name)
-        for method, wrap in (("forward", autocast.custom_fwd), ("backward", autocast.custom_bwd)):
-            sm = cls.__dict__.get(method)
-            inner = getattr(getattr(sm, "__func__", None), "__wrapped__", None)
-            if not isinstance(sm, staticmethod) or inner is None:
-                raise PatchError(f"{cls_target}.{method} is no longer a staticmethod wrapped by "
-                                 "torch.amp.custom_fwd/custom_bwd")
-            p.replace(f"{cls_target}.{method}", staticmethod(wrap(inner)))
+        _redecorate(p, cls_target,
+                    (torch.amp.custom_fwd(device_type="cuda"), torch.amp.custom_bwd(device_type="cuda")),
+                    (autocast.custom_fwd, autocast.custom_bwd), "torch.amp.custom_fwd/custom_bwd")
 
 
 AUTOCAST_FUNCTIONS = (
@@ -193,6 +205,25 @@ AUTOCAST_FUNCTIONS = (
     "megablocks.layers.mlp:MemoryOptimizedMLP",
     "megablocks.layers.mlp:MemoryOptimizedGroupedMLP",
     "megablocks.layers.glu:MemoryOptimizedGroupedGLU",
+)
+
+
+def _apply_stk_autocast(p: Patch) -> None:
+    from megablocks_ascend import autocast  # noqa: PLC0415
+    # By module name, not attribute: after a failed `import megablocks` (no driver, say) the
+    # package `stk` can lack its `backend` attribute although the submodule is importable.
+    upstream = importlib.import_module("stk.backend.autocast")
+    for cls_target in STK_AUTOCAST_FUNCTIONS:
+        _redecorate(p, cls_target, (upstream.custom_fwd, upstream.custom_bwd),
+                    (autocast.custom_fwd(cast_inputs=True), autocast.custom_bwd),
+                    "stk.backend.autocast.custom_fwd/custom_bwd")
+
+
+# stk.backend.sputnik's RowIndices is not decorated (it only handles index tensors).
+STK_AUTOCAST_FUNCTIONS = (
+    "stk.backend.sputnik:SDD",
+    "stk.backend.sputnik:DSD",
+    "stk.backend.sputnik:DDS",
 )
 
 
@@ -359,9 +390,24 @@ PATCHES: tuple[Patch, ...] = (
             "so on other devices they ignore the caller's autocast state.",
         how="cast_if_autocast_enabled is replaced by a version that asks autocast about the "
             "tensor's own device type; the four custom autograd functions are re-wrapped with "
-            "decorators that take the device type from their inputs.",
+            "decorators that keep torch.amp.custom_fwd/custom_bwd's contract (ctx._dtype, "
+            "ctx._fwd_used_autocast, the backward under the forward's autocast state) but take the "
+            "device type from their inputs.",
         upstream_fix="Use torch.is_autocast_enabled(x.device.type) and pass the device type through.",
         apply=_apply_autocast,
+    ),
+    Patch(
+        name="stk-autocast-device",
+        targets=tuple(f"{c}.{m}" for c in STK_AUTOCAST_FUNCTIONS for m in ("forward", "backward")),
+        why="stk's autocast decorators (stk.backend.autocast) ask only CUDA's autocast and cast only "
+            "CUDA tensors, so under autocast on an NPU or the CPU its block-sparse matmuls get "
+            "operands of mixed dtypes.",
+        how="SDD, DSD and DDS's undecorated forward/backward are re-wrapped with "
+            "megablocks_ascend.autocast.custom_fwd(cast_inputs=True)/custom_bwd: the same rule "
+            "(floating inputs cast to the autocast dtype, forward and backward with autocast off) "
+            "for the device type of the inputs.",
+        upstream_fix="Use torch.amp.custom_fwd(device_type=x.device.type, cast_inputs=...) in stk.",
+        apply=_apply_stk_autocast,
     ),
     Patch(
         name="routing-kernels",
@@ -428,9 +474,9 @@ def install() -> None:
             if patch.name not in _STANDINS and importlib.util.find_spec("megablocks") is None:
                 raise PatchError("MegaBlocks is not installed (pip install --no-deps megablocks==0.10.0; "
                                  "see the README)")
+            done.append(patch)  # before apply: a patch that fails half-way is rolled back too
             patch.apply(patch)
             patch.applied = True
-            done.append(patch)
     except BaseException:
         for patch in reversed(done):
             patch.revert()

@@ -36,8 +36,10 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _worker(rank, store, layer_kind, backend, device_type="cpu", pg_backend="gloo"):
-    """One rank. Also run on GPUs (NCCL) by benchmarks/expert_parallel_check.py."""
+def _worker(rank, store, layer_kind, backend, device_type="cpu", pg_backend="gloo", amp=None):
+    """One rank. Also run on GPUs (NCCL) by benchmarks/expert_parallel_check.py. With ``amp`` (a
+    dtype), both layers run under autocast to it (tests/test_autocast.py), compared within 6 units
+    of its roundoff instead of float32's 1e-5."""
     if device_type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     else:
@@ -74,31 +76,36 @@ def _worker(rank, store, layer_kind, backend, device_type="cpu", pg_backend="glo
         x = torch.randn(6, 2, hidden, generator=gen).to(device)
         g = torch.randn(6, 2, hidden, generator=gen).to(device)
 
+        autocast = torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
+        tol = 1e-5 if amp is None else 6 * torch.finfo(amp).eps / 2
         x_ep = x.clone().requires_grad_()
         with megablocks_ascend.use_backend(backend), megablocks_ascend.trace() as calls:
-            out, bias = ep(x_ep)
+            with autocast:
+                out, bias = ep(x_ep)
             (out + bias).backward(g)
         clear_load_balancing_loss()
         assert calls and {c.backend for c in calls} == {backend}, calls
 
         x_ref = x.clone().requires_grad_()
         with megablocks_ascend.use_backend("torch"):  # the reference: plain PyTorch, one process
-            out_ref, bias_ref = full(x_ref)
+            with autocast:
+                out_ref, bias_ref = full(x_ref)
             (out_ref + bias_ref).backward(g)
         clear_load_balancing_loss()
 
-        assert _rel(out + bias, out_ref + bias_ref) < 1e-5
-        assert _rel(x_ep.grad, x_ref.grad) < 1e-5
+        assert _rel(out + bias, out_ref + bias_ref) < tol
+        assert _rel(x_ep.grad, x_ref.grad) < tol
         ep_params = dict(ep.named_parameters())
-        assert _rel(ep_params["router.layer.weight"].grad, full_params["router.layer.weight"].grad) < 1e-5
+        assert _rel(ep_params["router.layer.weight"].grad, full_params["router.layer.weight"].grad) < tol
         for name, p in ep_params.items():
+            assert p.grad.dtype == p.dtype, name
             if not name.startswith("experts.mlp."):
                 continue
             total = full_params[name].grad.clone()
             dist.all_reduce(total)
             rows = total.shape[0] // experts * per_rank
             expected = total[rank * rows:(rank + 1) * rows] / WORLD
-            assert _rel(p.grad, expected) < 1e-5, name
+            assert _rel(p.grad, expected) < tol, name
         ops_seen = {c.op for c in calls}
         assert {"gather", "scatter"} <= ops_seen, ops_seen
         assert sparse == ({"padded_gather", "sdd", "dsd"} <= ops_seen), ops_seen

@@ -295,22 +295,12 @@ def test_sparse_dmoe_compiles(mlp_type, memory_optimized, backend, device):
     torch.testing.assert_close(got, want)
 
 
-# Until the autocast branch is merged: strict xfails, so that they fail (XPASS) once it is and the
-# markers must go. stk's autograd functions ignore autocast off CUDA (stk.backend.autocast asks
-# CUDA only), so sdd gets bf16 activations and float32 weights (the stk-autocast-device patch fixes
-# it); the memory-optimized MLP reads ctx._dtype, which the plugin's custom_fwd does not set yet.
-_NEEDS_STK_AUTOCAST = pytest.mark.xfail(strict=True, raises=megablocks_ascend.BlockSparseArgumentError,
-                                        reason="needs the stk-autocast-device patch (branch autocast)")
-_NEEDS_CTX_DTYPE = pytest.mark.xfail(strict=True, raises=AttributeError,
-                                     reason="needs custom_fwd to set ctx._dtype (branch autocast)")
-
-
-@pytest.mark.parametrize("mlp_type,memory_optimized", [
-    pytest.param("mlp", False, marks=_NEEDS_STK_AUTOCAST), pytest.param("glu", False, marks=_NEEDS_STK_AUTOCAST),
-    pytest.param("mlp", True, marks=_NEEDS_CTX_DTYPE)])
+@pytest.mark.parametrize("mlp_type,memory_optimized", [("mlp", False), ("glu", False), ("mlp", True)])
 def test_sparse_dmoe_under_autocast(mlp_type, memory_optimized, device):
     """float32 parameters under ``torch.autocast(bf16)``: the output within bf16 rounding of the
-    float32 layer's, float32 gradients."""
+    float32 layer's, float32 gradients. Needs the stk-autocast-device patch (stk's autograd
+    functions would hand ``sdd`` bf16 activations with float32 weights) and custom_fwd's
+    ``ctx._dtype`` (the memory-optimized MLP reads it)."""
     layer, args = make_sparse(device, mlp_type=mlp_type, memory_optimized=memory_optimized)
     x = torch.randn(6, 3, args.hidden_size, device=device)
     grad_out = torch.randn(6, 3, args.hidden_size, device=device)

@@ -33,6 +33,14 @@ Three implementations, chosen per call (``gmm_impl_name`` reports which):
 * ``'loop'`` -- everything else: one ``torch.mm`` per group, in the input
   dtype.  This is what runs on CPU and is what the tests here verify.
 
+Under ``torch.autocast`` (for the device type of ``a``) both entry points behave like
+``torch.matmul`` does: floating-point ``a`` and ``b`` (float64 excepted) are cast to the autocast
+dtype first, so float32 weights meet bf16/fp16 activations (see ``_autocast_operands``).  In
+``ops.gmm`` the casts are recorded by autograd, so float32 inputs get float32 gradients, and the
+backward runs under the forward's autocast state.  ``torch._grouped_mm`` and
+``npu_grouped_matmul`` are not registered with autocast (pytorch/pytorch#174763), so this is done
+here, before any implementation is chosen.
+
 Differences from the real package, on purpose: fp16/fp32/fp64 are accepted
 (the real one is bf16 only); bad inputs raise ``ValueError`` naming the
 argument (the real one fails a ``TORCH_CHECK``); the kernel paths compute into
@@ -421,6 +429,33 @@ def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
     return _finish(out, c)
 
 
+# --------------------------------------------------------------------------
+# Autocast
+# --------------------------------------------------------------------------
+
+def _autocast_operands(a, b):
+    """``(a, b)`` as ``torch.matmul`` would see them under autocast.
+
+    When autocast is on for ``a``'s device type, each floating-point operand on that device type
+    other than float64 is cast to the autocast dtype (autocast's rule for matmuls); anything else,
+    including arguments that are not tensors, is returned as is and left to ``_validate``.
+    """
+    if not isinstance(a, torch.Tensor):
+        return a, b
+    device_type = a.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return a, b
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64 \
+                and t.device.type == device_type:
+            return t.to(dtype)
+        return t
+
+    return cast(a), cast(b)
+
+
 def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
     """Grouped GEMM with the semantics of ``grouped_gemm.backend.gmm``.
 
@@ -435,8 +470,10 @@ def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
             overwritten and returned.
 
     Not differentiable (like the real backend); use ``ops.gmm`` for autograd.
+    Under autocast, ``a`` and ``b`` are cast to the autocast dtype first, and ``c`` must have it.
     Raises ``ValueError`` naming the offending argument before doing any work.
     """
+    a, b = _autocast_operands(a, b)
     if c is not None:
         return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c)
     if not torch.compiler.is_compiling():
@@ -482,16 +519,26 @@ class GroupedGemm(torch.autograd.Function):
     grad_a = gmm(grad, b, batch_sizes, trans_b=not trans_b)
     grad_b = gmm(grad, a, batch_sizes, trans_a=True)   if trans_b  ([E, N, K])
              gmm(a, grad, batch_sizes, trans_a=True)   otherwise  ([E, K, N])
+
+    The backward runs under the autocast state of the forward, as ``torch.amp.custom_bwd`` does.
     """
 
     @staticmethod
     def forward(ctx, a, b, batch_sizes, trans_b):
+        ctx.autocast_state = (a.device.type, torch.is_autocast_enabled(a.device.type),
+                              torch.get_autocast_dtype(a.device.type))
         ctx.save_for_backward(a, b, batch_sizes)
         ctx.trans_b = trans_b
         return gmm(a, b, batch_sizes, trans_a=False, trans_b=trans_b)
 
     @staticmethod
     def backward(ctx, grad):
+        device_type, enabled, dtype = ctx.autocast_state
+        with torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype):
+            return GroupedGemm._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         grad = grad.contiguous()
         a, b, batch_sizes = ctx.saved_tensors
         trans_b = ctx.trans_b
@@ -505,7 +552,12 @@ class GroupedGemm(torch.autograd.Function):
 
 
 def _ops_gmm(a, b, batch_sizes, trans_b=False):
-    """Differentiable grouped GEMM, same contract as ``grouped_gemm.ops.gmm``."""
+    """Differentiable grouped GEMM, same contract as ``grouped_gemm.ops.gmm``.
+
+    Under autocast the operands are cast here, outside the Function, so that autograd records the
+    casts (and hands float32 inputs float32 gradients), as it does for ``torch.matmul``.
+    """
+    a, b = _autocast_operands(a, b)
     return GroupedGemm.apply(a, b, batch_sizes, trans_b)
 
 
