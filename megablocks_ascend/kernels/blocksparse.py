@@ -62,7 +62,9 @@ index times a constexpr stays int16 and wraps past 32767 elements: MegaBlocks PR
 and garbage metadata can give wrong values but never an access out of bounds. Element offsets are
 int32 when every offset the kernel can form (tiles padded to whole tiles included) is below 2**31,
 which the launcher checks from shapes and strides; otherwise the kernel is specialised with
-``INT64=True`` and every index vector is int64 from the start.
+``INT64=True``, which widens every block index and index vector to int64 before it multiplies a
+stride. Indices within one dimension and tile counts are int32 either way (the launchers refuse
+a dimension or a tile count past 2**31 - 1).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ from megablocks_ascend.compat import kernel
 BLOCK_SIZES = (16, 32, 64, 128)  # block sides the kernels support
 INDEX_DTYPES = (torch.int16, torch.int32)  # row_indices, column_indices, column_indices_t
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INT32_MAX = 2**31 - 1  # largest element offset the int32 kernels form (monkeypatched in tests)
+_INT32_MAX = 2**31 - 1
+_OFFSET_LIMIT = _INT32_MAX  # largest element offset the int32 kernels form (lowered in tests)
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,6 +98,15 @@ def _widen(x, INT64: tl.constexpr):
     else:
         y = x.to(tl.int32)
     return y
+
+
+@triton.jit
+def _range(start, SIZE: tl.constexpr, INT64: tl.constexpr):
+    """``start + arange(SIZE)``, formed in int32 (an index inside one dimension: below 2**31) and
+    widened for the stride products. (Forming it as int64 ``start`` plus an int64 ``arange`` made
+    triton-ascend 3.2.0's adapter abort in ~1% of runs on _sdd's K loop:
+    docs/notes/blocksparse-kernels.md.)"""
+    return _widen(start + tl.arange(0, SIZE), INT64)
 
 
 @triton.jit
@@ -205,19 +217,16 @@ def _sdd(lhs, rhs, out, row_indices, column_indices,
     """``out[b] = lhs[rows of b] @ rhs[:, columns of b]`` for every block ``b`` (tiles of it)."""
     TILES_N: tl.constexpr = BLOCK_SIZE // BLOCK_N
     TILES: tl.constexpr = (BLOCK_SIZE // BLOCK_M) * TILES_N
-    rm = _widen(tl.arange(0, BLOCK_M), INT64)
-    rn = _widen(tl.arange(0, BLOCK_N), INT64)
-    rk = _widen(tl.arange(0, BLOCK_K), INT64)
     for t in range(tl.program_id(0), nnz * TILES, tl.num_programs(0)):
         b = _grouped(t // TILES, nnz, row_width, GROUP)
         sub = t % TILES
-        m_in = (sub // TILES_N) * BLOCK_M + rm  # rows and columns inside the block
-        n_in = (sub % TILES_N) * BLOCK_N + rn
+        m_in = _range((sub // TILES_N) * BLOCK_M, BLOCK_M, INT64)  # rows and columns inside the block
+        n_in = _range((sub % TILES_N) * BLOCK_N, BLOCK_N, INT64)
         rows = _index(row_indices, b, block_rows, INT64) * BLOCK_SIZE + m_in
         cols = _index(column_indices, b, block_cols, INT64) * BLOCK_SIZE + n_in
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + rk
+            ks = _range(k0, BLOCK_K, INT64)
             a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K)
             w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False)
             acc = _dot(a, w, acc, PRECISION, WIDEN)
@@ -238,22 +247,19 @@ def _dsd(data, rhs, out, offsets, indices, block_offsets,
     ``(m, k)`` of a block is ``data[block, 0, 0] + m * stride_am + k * stride_ak``."""
     TILES_M: tl.constexpr = BLOCK_SIZE // BLOCK_M
     KSUB: tl.constexpr = BLOCK_SIZE // BLOCK_K
-    rm = _widen(tl.arange(0, BLOCK_M), INT64)
-    rn = _widen(tl.arange(0, BLOCK_N), INT64)
-    rk = _widen(tl.arange(0, BLOCK_K), INT64)
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = (M // BLOCK_M) * tiles_n
     for t in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         g = _grouped(t, num_tiles, tiles_n, GROUP)
         tm = g // tiles_n
         br = tm // TILES_M
-        m_in = (tm % TILES_M) * BLOCK_M + rm
-        cols = (g % tiles_n) * BLOCK_N + rn
+        m_in = _range((tm % TILES_M) * BLOCK_M, BLOCK_M, INT64)
+        cols = _range((g % tiles_n) * BLOCK_N, BLOCK_N, INT64)
         start, end = _span(offsets, br, nnz)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range((end - start) * KSUB):
             j = start + s // KSUB
-            k_in = (s % KSUB) * BLOCK_K + rk
+            k_in = _range((s % KSUB) * BLOCK_K, BLOCK_K, INT64)
             if GATHER:
                 blk = _index(block_offsets, j, nnz, INT64)
             else:
@@ -279,22 +285,19 @@ def _dds(lhs, data, out, offsets, indices, block_offsets,
     ``indices[j]``); element ``(k, n)`` of a block is ``data[block, 0, 0] + k * stride_bk + n * stride_bn``."""
     TILES_N: tl.constexpr = BLOCK_SIZE // BLOCK_N
     KSUB: tl.constexpr = BLOCK_SIZE // BLOCK_K
-    rm = _widen(tl.arange(0, BLOCK_M), INT64)
-    rn = _widen(tl.arange(0, BLOCK_N), INT64)
-    rk = _widen(tl.arange(0, BLOCK_K), INT64)
     col_tiles = N // BLOCK_N
     num_tiles = tl.cdiv(M, BLOCK_M) * col_tiles
     for t in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         g = _grouped(t, num_tiles, col_tiles, GROUP)
-        rows = (g // col_tiles) * BLOCK_M + rm
+        rows = _range((g // col_tiles) * BLOCK_M, BLOCK_M, INT64)
         tn = g % col_tiles
         bc = tn // TILES_N
-        n_in = (tn % TILES_N) * BLOCK_N + rn
+        n_in = _range((tn % TILES_N) * BLOCK_N, BLOCK_N, INT64)
         start, end = _span(offsets, bc, nnz)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range((end - start) * KSUB):
             j = start + s // KSUB
-            k_in = (s % KSUB) * BLOCK_K + rk
+            k_in = _range((s % KSUB) * BLOCK_K, BLOCK_K, INT64)
             ks = _index(indices, j, k_blocks, INT64) * BLOCK_SIZE + k_in
             a = _load(lhs, rows, ks, stride_lm, stride_lk, M, 0, LHS_CM, not EVEN_M, False)
             if GATHER:
@@ -340,7 +343,18 @@ def _max_offset(sizes, strides) -> int:
 
 
 def _needs_int64(*max_offsets: int) -> bool:
-    return max(max_offsets) > _INT32_MAX
+    return max(max_offsets) > _OFFSET_LIMIT
+
+
+def _check_int32_extents(tiles: int, **dims) -> None:
+    """Tile counts and indices within one dimension (tiles padded to whole tiles) are int32 in the
+    kernels, whatever ``INT64`` says."""
+    for name, (size, tile) in dims.items():
+        if _cdiv(size, tile) * tile > _INT32_MAX:
+            _fail(name, f"has a dimension of {size} elements; the kernels index within a dimension in int32 "
+                        f"(at most {_INT32_MAX} elements, tiles included)")
+    if tiles > _INT32_MAX:
+        _fail("shape", f"needs {tiles} output tiles; the kernels count tiles in int32 (at most {_INT32_MAX})")
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -475,6 +489,7 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None
     int64 = _needs_int64(_max_offset((m, kp), lhs.stride()), _max_offset((kp, n), rhs.stride()),
                          _max_offset(out.shape, out.stride()))
     tiles = nnz * (b // t.block_m) * (b // t.block_n)
+    _check_int32_extents(tiles, lhs=(max(m, k), t.block_k), rhs=(max(k, n), t.block_k))
     _sdd[_grid(device, tiles, t, num_programs)](
         lhs, rhs, out, row_indices, column_indices,
         k, nnz, m // b, n // b, max(1, nnz // max(m // b, 1)),
@@ -527,6 +542,7 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((k, np_), rhs.stride()),
                          _max_offset((m, np_), out.stride()))
     tiles = (m // t.block_m) * _cdiv(n, t.block_n)
+    _check_int32_extents(tiles, rhs=(max(k, n), t.block_n), out=(max(m, n), t.block_n))
     _dsd[_grid(device, tiles, t, num_programs)](
         data, rhs, out, line_offsets, line_indices, block_offsets_t if transpose_a else line_offsets,
         m, n, nnz, k // b,
@@ -580,6 +596,7 @@ def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, colum
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((mp, k), lhs.stride()),
                          _max_offset((mp, n), out.stride()))
     tiles = _cdiv(m, t.block_m) * (n // t.block_n)
+    _check_int32_extents(tiles, lhs=(max(m, k), t.block_m), out=(max(m, n), t.block_m))
     _dds[_grid(device, tiles, t, num_programs)](
         lhs, data, out, line_offsets, line_indices, line_offsets if transpose_b else block_offsets_t,
         m, n, nnz, k // b,
