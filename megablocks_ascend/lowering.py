@@ -640,9 +640,9 @@ def _tool_crash(exc: BaseException) -> bool:
 def _lower_retrying_tool_crashes(lowerer, spec, cfg):
     """``lowerer.lower`` with up to :data:`TOOL_CRASH_RETRIES` more tries when ``triton-adapter-opt``
     dies of a signal: triton-ascend 3.2.0's adapter aborts now and then on the same input
-    ("Malformed type storage object", ~3 runs in 100 for one ``_sdd`` configuration, with or
-    without MLIR threading; docs/notes/blocksparse-kernels.md). A crash that repeats fails the
-    configuration; one that does not is reported in the row (``tool_crashes``)."""
+    ("Malformed type storage object", ~1-2% of runs for some int64 ``_dsd`` configurations, with
+    or without MLIR threading; docs/notes/blocksparse-kernels.md). A crash that repeats fails the
+    configuration; one that does not is reported in the row (``tool_crashes``) and after the tables."""
     for attempt in range(TOOL_CRASH_RETRIES + 1):
         try:
             ttir, linalg = lowerer.lower(spec, cfg)

@@ -101,19 +101,10 @@ def _widen(x, INT64: tl.constexpr):
 
 
 @triton.jit
-def _range(start, SIZE: tl.constexpr, INT64: tl.constexpr):
-    """``start + arange(SIZE)``, formed in int32 (an index inside one dimension: below 2**31) and
-    widened for the stride products. (Forming it as int64 ``start`` plus an int64 ``arange`` made
-    triton-ascend 3.2.0's adapter abort in ~1% of runs on _sdd's K loop:
-    docs/notes/blocksparse-kernels.md.)"""
-    return _widen(start + tl.arange(0, SIZE), INT64)
-
-
-@triton.jit
-def _index(ptr, i, limit, INT64: tl.constexpr):
-    """``ptr[i]`` (an int16 or int32 block index) widened and clamped into ``[0, limit)``."""
+def _index(ptr, i, limit):
+    """``ptr[i]`` (an int16 or int32 block index) widened to int32 and clamped into ``[0, limit)``."""
     v = tl.load(ptr + i).to(tl.int32)
-    return _widen(tl.minimum(tl.maximum(v, 0), limit - 1), INT64)
+    return tl.minimum(tl.maximum(v, 0), limit - 1)
 
 
 @triton.jit
@@ -163,20 +154,23 @@ def _tile_mask(rows, cols, r_bound, c_bound, MASK_R: tl.constexpr, MASK_C: tl.co
 
 @triton.jit
 def _load(base, rows, cols, stride_r, stride_c, r_bound, c_bound,
-          COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+          COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr, INT64: tl.constexpr):
     """The ``[len(rows), len(cols)]`` tile ``base[rows * stride_r + cols * stride_c]`` (0 where masked).
 
-    ``COLUMN_MAJOR`` (``stride_r`` is the unit stride) loads it as ``[cols, rows]``, contiguous
-    dimension last, and transposes it on chip."""
+    ``rows`` and ``cols`` are int32 indices (inside their dimensions); with ``INT64`` they are
+    widened before they multiply the strides. ``COLUMN_MAJOR`` (``stride_r`` is the unit stride)
+    loads the tile as ``[cols, rows]``, contiguous dimension last, and transposes it on chip."""
+    r64 = _widen(rows, INT64)
+    c64 = _widen(cols, INT64)
     if COLUMN_MAJOR:
-        ptrs = base + cols[:, None] * stride_c + rows[None, :] * stride_r
+        ptrs = base + c64[:, None] * stride_c + r64[None, :] * stride_r
         if MASK_R or MASK_C:
             t = tl.load(ptrs, mask=_tile_mask(cols, rows, c_bound, r_bound, MASK_C, MASK_R), other=0.0)
         else:
             t = tl.load(ptrs)
         t = tl.trans(t)
     else:
-        ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
+        ptrs = base + r64[:, None] * stride_r + c64[None, :] * stride_c
         if MASK_R or MASK_C:
             t = tl.load(ptrs, mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C), other=0.0)
         else:
@@ -186,17 +180,19 @@ def _load(base, rows, cols, stride_r, stride_c, r_bound, c_bound,
 
 @triton.jit
 def _store(base, rows, cols, stride_r, stride_c, value, r_bound, c_bound,
-           COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+           COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr, INT64: tl.constexpr):
     """Stores ``value`` (``[len(rows), len(cols)]``) like :func:`_load` loads."""
+    r64 = _widen(rows, INT64)
+    c64 = _widen(cols, INT64)
     if COLUMN_MAJOR:
-        ptrs = base + cols[:, None] * stride_c + rows[None, :] * stride_r
+        ptrs = base + c64[:, None] * stride_c + r64[None, :] * stride_r
         value = tl.trans(value)
         if MASK_R or MASK_C:
             tl.store(ptrs, value, mask=_tile_mask(cols, rows, c_bound, r_bound, MASK_C, MASK_R))
         else:
             tl.store(ptrs, value)
     else:
-        ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
+        ptrs = base + r64[:, None] * stride_r + c64[None, :] * stride_c
         if MASK_R or MASK_C:
             tl.store(ptrs, value, mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C))
         else:
@@ -220,18 +216,18 @@ def _sdd(lhs, rhs, out, row_indices, column_indices,
     for t in range(tl.program_id(0), nnz * TILES, tl.num_programs(0)):
         b = _grouped(t // TILES, nnz, row_width, GROUP)
         sub = t % TILES
-        m_in = _range((sub // TILES_N) * BLOCK_M, BLOCK_M, INT64)  # rows and columns inside the block
-        n_in = _range((sub % TILES_N) * BLOCK_N, BLOCK_N, INT64)
-        rows = _index(row_indices, b, block_rows, INT64) * BLOCK_SIZE + m_in
-        cols = _index(column_indices, b, block_cols, INT64) * BLOCK_SIZE + n_in
+        m_in = (sub // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows and columns inside the block
+        n_in = (sub % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = _index(row_indices, b, block_rows) * BLOCK_SIZE + m_in
+        cols = _index(column_indices, b, block_cols) * BLOCK_SIZE + n_in
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = _range(k0, BLOCK_K, INT64)
-            a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K)
-            w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K, INT64)
+            w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False, INT64)
             acc = _dot(a, w, acc, PRECISION, WIDEN)
         _store(out + _widen(b, INT64) * stride_ob, m_in, n_in, stride_om, stride_on,
-               acc.to(out.dtype.element_ty), 0, 0, OUT_CM, False, False)
+               acc.to(out.dtype.element_ty), 0, 0, OUT_CM, False, False, INT64)
 
 
 @kernel
@@ -253,23 +249,24 @@ def _dsd(data, rhs, out, offsets, indices, block_offsets,
         g = _grouped(t, num_tiles, tiles_n, GROUP)
         tm = g // tiles_n
         br = tm // TILES_M
-        m_in = _range((tm % TILES_M) * BLOCK_M, BLOCK_M, INT64)
-        cols = _range((g % tiles_n) * BLOCK_N, BLOCK_N, INT64)
+        m_in = (tm % TILES_M) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (g % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         start, end = _span(offsets, br, nnz)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range((end - start) * KSUB):
             j = start + s // KSUB
-            k_in = _range((s % KSUB) * BLOCK_K, BLOCK_K, INT64)
+            k_in = (s % KSUB) * BLOCK_K + tl.arange(0, BLOCK_K)
             if GATHER:
-                blk = _index(block_offsets, j, nnz, INT64)
+                blk = _index(block_offsets, j, nnz)
             else:
-                blk = _widen(j, INT64)
-            a = _load(data + blk * stride_db, m_in, k_in, stride_am, stride_ak, 0, 0, A_CM, False, False)
-            ks = _index(indices, j, k_blocks, INT64) * BLOCK_SIZE + k_in
-            w = _load(rhs, ks, cols, stride_rk, stride_rn, 0, N, RHS_CM, False, not EVEN_N)
+                blk = j
+            a = _load(data + _widen(blk, INT64) * stride_db, m_in, k_in, stride_am, stride_ak, 0, 0, A_CM, False, False,
+                      INT64)
+            ks = _index(indices, j, k_blocks) * BLOCK_SIZE + k_in
+            w = _load(rhs, ks, cols, stride_rk, stride_rn, 0, N, RHS_CM, False, not EVEN_N, INT64)
             acc = _dot(a, w, acc, PRECISION, WIDEN)
-        _store(out, _widen(br, INT64) * BLOCK_SIZE + m_in, cols, stride_om, stride_on,
-               acc.to(out.dtype.element_ty), 0, N, OUT_CM, False, not EVEN_N)
+        _store(out, br * BLOCK_SIZE + m_in, cols, stride_om, stride_on,
+               acc.to(out.dtype.element_ty), 0, N, OUT_CM, False, not EVEN_N, INT64)
 
 
 @kernel
@@ -289,25 +286,26 @@ def _dds(lhs, data, out, offsets, indices, block_offsets,
     num_tiles = tl.cdiv(M, BLOCK_M) * col_tiles
     for t in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         g = _grouped(t, num_tiles, col_tiles, GROUP)
-        rows = _range((g // col_tiles) * BLOCK_M, BLOCK_M, INT64)
+        rows = (g // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         tn = g % col_tiles
         bc = tn // TILES_N
-        n_in = _range((tn % TILES_N) * BLOCK_N, BLOCK_N, INT64)
+        n_in = (tn % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
         start, end = _span(offsets, bc, nnz)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range((end - start) * KSUB):
             j = start + s // KSUB
-            k_in = _range((s % KSUB) * BLOCK_K, BLOCK_K, INT64)
-            ks = _index(indices, j, k_blocks, INT64) * BLOCK_SIZE + k_in
-            a = _load(lhs, rows, ks, stride_lm, stride_lk, M, 0, LHS_CM, not EVEN_M, False)
+            k_in = (s % KSUB) * BLOCK_K + tl.arange(0, BLOCK_K)
+            ks = _index(indices, j, k_blocks) * BLOCK_SIZE + k_in
+            a = _load(lhs, rows, ks, stride_lm, stride_lk, M, 0, LHS_CM, not EVEN_M, False, INT64)
             if GATHER:
-                blk = _index(block_offsets, j, nnz, INT64)
+                blk = _index(block_offsets, j, nnz)
             else:
-                blk = _widen(j, INT64)
-            w = _load(data + blk * stride_db, k_in, n_in, stride_bk, stride_bn, 0, 0, B_CM, False, False)
+                blk = j
+            w = _load(data + _widen(blk, INT64) * stride_db, k_in, n_in, stride_bk, stride_bn, 0, 0, B_CM, False, False,
+                      INT64)
             acc = _dot(a, w, acc, PRECISION, WIDEN)
-        _store(out, rows, _widen(bc, INT64) * BLOCK_SIZE + n_in, stride_om, stride_on,
-               acc.to(out.dtype.element_ty), M, 0, OUT_CM, not EVEN_M, False)
+        _store(out, rows, bc * BLOCK_SIZE + n_in, stride_om, stride_on,
+               acc.to(out.dtype.element_ty), M, 0, OUT_CM, not EVEN_M, False, INT64)
 
 
 @kernel
