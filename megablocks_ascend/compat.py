@@ -14,6 +14,8 @@ all implement. This module is the only place that knows about the differences:
   neither. Our kernels do not need them today (2-D pointer tiles lower to per-row
   DMA on Ascend, see ``docs/notes/ascend-lowering.md``); the resolver exists so a
   kernel that does never imports a triton-ascend name directly.
+* :func:`dot_needs_float32` says where ``tl.dot`` cannot take bfloat16 operands as they are: the
+  Triton interpreter keeps bfloat16 as its uint16 bit patterns and multiplies those.
 """
 
 from __future__ import annotations
@@ -109,3 +111,15 @@ class Kernel:
 def kernel(fn: Callable) -> Kernel:
     """Decorator: ``@kernel`` in place of ``@triton.jit``."""
     return Kernel(fn)
+
+
+def dot_needs_float32(dtype, device) -> bool:
+    """Whether a kernel must widen ``dtype`` operands to float32 before ``tl.dot`` on ``device``.
+
+    The Triton interpreter (CPU tensors) stores bfloat16 as uint16 and its ``tl.dot`` multiplies
+    those integers (seen with triton 3.3.1 and 3.9.0: results off by ~1e10). A bfloat16 product is
+    exact in float32, so widening first gives what a bfloat16 matrix unit computes with a float32
+    accumulator. Compiled Triton (CUDA, NPU) takes bfloat16 operands directly.
+    """
+    import torch  # noqa: PLC0415
+    return device.type == "cpu" and dtype == torch.bfloat16

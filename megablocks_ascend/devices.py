@@ -27,6 +27,33 @@ tile cast back for the store. ``bytes_per_row`` counts the per-row vectors: the
 assignment slot or expert row (int32), the token (int32), the router weight (float32),
 and the row offset (int64). ``BLOCK_X`` is a power of two (``tl.arange`` requires it) and
 at least 32 bytes of the element type (one UB block: 16 bf16/fp16 or 8 fp32 elements).
+
+The cube budget (``npu``, the block-sparse matmuls)
+---------------------------------------------------
+The block-sparse kernels (``kernels/blocksparse.py``) are cube kernels: their work is ``tl.dot``,
+which triton-ascend runs on the AI (cube) cores, so they launch one program per AI core
+(``num_aicore``, half the vector cores on A2), each looping over its output tiles. A tile
+``(BLOCK_M, BLOCK_N)`` is accumulated in float32 over K-steps of ``BLOCK_K``; per program::
+
+    L0A  2 * BLOCK_M * BLOCK_K * es         <= 64 KiB   (the A slice, ping-pong)
+    L0B  2 * BLOCK_K * BLOCK_N * es         <= 64 KiB   (the B slice, ping-pong)
+    L0C  BLOCK_M * BLOCK_N * 4              <= 128 KiB  (the float32 accumulator)
+    L1   2 * (BLOCK_M + BLOCK_N) * BLOCK_K * es <= 512 KiB  (both tiles, double-buffered)
+
+(``es``: bytes per element of the operands.) Within that budget the tile maximises the work per
+element brought from global memory, ``BLOCK_M * BLOCK_N / (BLOCK_M + BLOCK_N)``, then ``BLOCK_K``;
+sides are powers of two of at least 16 (the cube's 16 x 16 fractal), and a side that lies inside a
+sparse block is at most the block size. bf16 at block size 128 gives sdd ``128 x 128 x 128``
+(L0A/L0B 64 KiB each, L0C 64 KiB, L1 128 KiB) and dsd ``128 x 256 x 64`` (L0A 32 KiB, L0B 64 KiB,
+L0C 128 KiB, L1 96 KiB). Where the numbers come from: the L1/L0A/L0B/L0C capacities of an A2 AI
+core are those of ``struct AtlasA2`` in CANN's CATLASS templates (``include/catlass/arch/arch.hpp``:
+L1 512 KiB, L0A 64 KiB, L0B 64 KiB, L0C 128 KiB, UB 192 KiB); triton-ascend's programming guide
+("Cube Operator Development") asks for tiles within the hardware's L1/UB limits, fp32
+accumulation, a K loop that the compiler multi-buffers (on by default, hence the factor 2) and a
+grid of the physical cube-core count with programs looping over tiles; its general page gives the
+192 KiB on-chip buffer and the ``num_aicore`` / ``num_vectorcore`` driver properties. The guide
+itself does not list the L0/L1 sizes. How the compiler splits a tile between L1 and L0 is its own
+choice; the budget keeps each K-step's slices within L0 so it need not split them further.
 """
 
 from __future__ import annotations
@@ -96,8 +123,25 @@ def _core_count(device_type: str, index: int) -> int:
     raise ValueError(device_type)
 
 
-def num_programs(device: torch.device, work_items: int) -> int:
-    """The 1-D grid: programs loop over ``work_items`` sub-blocks inside."""
+@functools.lru_cache(maxsize=None)
+def _aicore_count(index: int) -> int:
+    """Cube cores (AI cores) of an NPU: triton-ascend's ``num_aicore`` (half its vector cores on A2)."""
+    import triton  # noqa: PLC0415
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    return int(props["num_aicore"])
+
+
+def num_programs(device: torch.device, work_items: int, *, unit: str = "vector",
+                 programs_per_sm: int = CUDA_PROGRAMS_PER_SM) -> int:
+    """The 1-D grid: programs loop over ``work_items`` sub-blocks (or tiles) inside.
+
+    ``unit`` is the NPU core a program runs on: ``"vector"`` (the routing kernels: one program
+    per vector core) or ``"cube"`` (the block-sparse matmuls, whose ``tl.dot`` runs on the cube
+    cores: one program per AI core, ``num_aicore``). On CUDA a kernel asks for
+    ``programs_per_sm`` programs per SM.
+    """
+    if unit not in ("vector", "cube"):
+        raise ValueError(f"unknown core unit {unit!r}: expected 'vector' or 'cube'")
     override = envs.num_programs_override()
     if override is not None:
         n = override
@@ -105,10 +149,10 @@ def num_programs(device: torch.device, work_items: int) -> int:
         n = INTERPRETER_PROGRAMS
     elif device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        n = _core_count("cuda", index) * CUDA_PROGRAMS_PER_SM
+        n = _core_count("cuda", index) * programs_per_sm
     elif device.type == "npu":
         index = device.index if device.index is not None else torch.npu.current_device()
-        n = _core_count("npu", index)
+        n = _aicore_count(index) if unit == "cube" else _core_count("npu", index)
     else:
         raise ValueError(f"no Triton target for device {device}")
     return max(1, min(n, work_items))
@@ -149,4 +193,130 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
         return Tile(4 if kind == "gather" else 1, block_x, num_warps=4)
     if device_target == "interpreter":
         return Tile(64, min(hidden_pow2, 256))
+    raise ValueError(f"unknown target {device_target!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Cube kernels: the block-sparse matmuls (kernels/blocksparse.py). Budget: see the module docstring.
+
+CUBE_L1_BYTES = 512 * 1024  # A2 (910B) AI core L1 buffer
+CUBE_L0A_BYTES = 64 * 1024
+CUBE_L0B_BYTES = 64 * 1024
+CUBE_L0C_BYTES = 128 * 1024
+CUBE_BUFFERS = 2  # the compiler's multi-buffering of the K loop
+CUBE_FRACTAL = 16  # the cube unit's tile side: every tile side is a multiple
+CUBE_KINDS = ("sdd", "dsd", "dds")
+
+
+@dataclasses.dataclass(frozen=True)
+class CubeTile:
+    block_m: int  # output rows per tile
+    block_n: int  # output columns per tile
+    block_k: int  # reduction depth per K-step
+    group: int = 1  # tiles walked in groups of `group` rows (L2 reuse); 1: row-major order
+    num_warps: int = 4  # CUDA only
+    num_stages: int = 3  # CUDA only (software pipelining depth of the K loop)
+    programs_per_sm: int = 1  # CUDA only: programs per SM in the persistent grid
+
+
+def cube_bytes(tile: CubeTile, element_size: int) -> dict:
+    """On-chip bytes of one program of a cube kernel on an A2 AI core (see the module docstring)."""
+    m, n, k, es = tile.block_m, tile.block_n, tile.block_k, element_size
+    return dict(l0a=CUBE_BUFFERS * m * k * es, l0b=CUBE_BUFFERS * k * n * es, l0c=m * n * 4,
+                l1=CUBE_BUFFERS * (m + n) * k * es)
+
+
+CUBE_LIMITS = dict(l0a=CUBE_L0A_BYTES, l0b=CUBE_L0B_BYTES, l0c=CUBE_L0C_BYTES, l1=CUBE_L1_BYTES)
+
+
+def cube_fits(tile: CubeTile, element_size: int) -> bool:
+    use = cube_bytes(tile, element_size)
+    return all(use[key] <= limit for key, limit in CUBE_LIMITS.items())
+
+
+def _sides(cap: int) -> list[int]:
+    """Powers of two from ``cap`` down to the fractal."""
+    out, v = [], max(int(cap), CUBE_FRACTAL)
+    while v >= CUBE_FRACTAL:
+        out.append(v)
+        v //= 2
+    return out
+
+
+def _limits(kind: str, block_size: int, dense: int, wide: int) -> tuple[int, int, int]:
+    """Largest (BLOCK_M, BLOCK_N, BLOCK_K) a ``kind`` allows: sides inside a sparse block are at
+    most the block size; the dense side at most ``wide`` and no larger than the dense size needs."""
+    dense_cap = max(min(wide, _next_pow2(max(dense, 1))), CUBE_FRACTAL)
+    if kind == "sdd":  # output tile inside one block; K is the dense inner dimension
+        return block_size, block_size, min(dense_cap, 256)
+    if kind == "dsd":  # rows and K inside the sparse operand's blocks; N dense
+        return block_size, dense_cap, block_size
+    if kind == "dds":  # columns and K inside the sparse operand's blocks; M dense
+        return dense_cap, block_size, block_size
+    raise ValueError(f"unknown cube kernel kind {kind!r}: expected one of {CUBE_KINDS}")
+
+
+def _npu_cube_tile(kind: str, es: int, block_size: int, dense: int) -> CubeTile:
+    cap_m, cap_n, cap_k = _limits(kind, block_size, dense, 256)
+    best = None
+    for m in _sides(cap_m):
+        for n in _sides(cap_n):
+            if m * n * 4 > CUBE_L0C_BYTES:
+                continue
+            for k in _sides(cap_k):
+                t = CubeTile(m, n, k)
+                if cube_fits(t, es):
+                    score = (m * n / (m + n), k, m)
+                    if best is None or score > best[0]:
+                        best = (score, t)
+                    break  # the largest k that fits for this (m, n)
+    if best is None:  # cannot happen for block sizes >= 16: 16 x 16 x 16 always fits
+        raise ValueError(f"no {kind} cube tile fits the A2 budget at block size {block_size}")
+    return dataclasses.replace(best[1], group=CUBE_GROUP)
+
+
+# Tiles walked in groups of 8 rows (kernels/blocksparse.py): the tiles in flight share operand rows
+# and columns in the L2. For the mixtral-like sdd (132 block rows of one expert's 117 MB weight)
+# row-major order reads each expert's weight once per block row, ~15 GB per call; in groups of 8
+# rows, once per group: ~1.9 GB (docs/notes/blocksparse-kernels.md).
+CUBE_GROUP = 8
+
+
+# CUDA (NVIDIA). Per kind: (tile for 2-byte operands, tile for fp32 operands) at block size 128;
+# smaller blocks clip the sides that lie inside a block. Starting points, not yet measured: the usual
+# Hopper matmul shapes (128 x 256 x 64 with 8 warps and 3 stages where the output tile may be that
+# wide; 128 x 128 x 64, two programs per SM, inside a block). benchmarks/bench_blocksparse.py sweeps
+# candidates on an H200; its best per call form is what belongs here
+# (docs/notes/blocksparse-kernels.md).
+CUDA_CUBE_TILES = {
+    "sdd": (CubeTile(128, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=2),
+            CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=2)),
+    "dsd": (CubeTile(128, 256, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1),
+            CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=1)),
+    "dds": (CubeTile(256, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1),
+            CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=1)),
+}
+
+
+@functools.lru_cache(maxsize=4096)  # called on every launch; a pure function of its arguments
+def cube_tile(kind: str, dtype: torch.dtype, block_size: int, dense: int, device_target: str) -> CubeTile:
+    """The tile of a block-sparse matmul of ``kind`` (``sdd``, ``dsd``, ``dds``) on ``device_target``.
+
+    ``block_size`` is the sparse matrix's block side; ``dense`` the size of the product's dense
+    free dimension (sdd: K, dsd: N, dds: M), which only caps a tile side that would be wider than
+    it needs to be."""
+    if kind not in CUBE_KINDS:
+        raise ValueError(f"unknown cube kernel kind {kind!r}: expected one of {CUBE_KINDS}")
+    es = dtype.itemsize
+    if device_target == "npu":
+        return _npu_cube_tile(kind, es, block_size, dense)
+    if device_target == "cuda":
+        base = CUDA_CUBE_TILES[kind][0 if es <= 2 else 1]
+        cap_m, cap_n, cap_k = _limits(kind, block_size, dense, 256)
+        return dataclasses.replace(base, block_m=min(base.block_m, cap_m), block_n=min(base.block_n, cap_n),
+                                   block_k=min(base.block_k, cap_k))
+    if device_target == "interpreter":
+        # The interpreter's cost is per tile operation: whole blocks, and few K-steps.
+        cap_m, cap_n, cap_k = _limits(kind, block_size, dense, 128)
+        return CubeTile(cap_m, cap_n, min(cap_k, 128))
     raise ValueError(f"unknown target {device_target!r}")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench_routing.py"
 
@@ -54,3 +56,58 @@ def test_ab_routing_quick_cpu(tmp_path):
     assert {r["op"] for r in report["ab"] if "ok" not in r} == {"route_map[0]", "route_map[1]", "route_map[2]"}
     assert not any("WRONG" in name for name in report["patterns"]["quick"])  # the probe kernel's copy is exact
     assert len(report["host"]) == 15
+
+
+def test_bench_blocksparse_quick_cpu(tmp_path):
+    """benchmarks/bench_blocksparse.py --quick: MegaBlocks' topology at a tiny shape, every kernel call
+    of the sparse dMoE checked against the float32 reference, stk's own kernels in a child process,
+    the sweep; table and JSON."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env.pop("OUT", None)
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_blocksparse.py"), "--quick", "--out",
+                        str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    report = json.loads((tmp_path / "bench_blocksparse.json").read_text())
+    (res,) = report["results"].values()
+    calls = [r["call"] for r in res["rows"]]
+    assert len(calls) == 6 and {r["form"] for r in res["rows"]} == {"sdd", "dsd", "dsdT"}
+    assert all(r["ok"] and r["unwritten"] == 0 and r["ms"] > 0 for r in res["rows"])
+    # stk's kernels ran in the child (block indices are small here, so they are correct too)
+    assert all(r["stk"].get("ok") and r["stk"]["ms"] > 0 for r in res["rows"]), [r["stk"] for r in res["rows"]]
+    assert res["row_indices_ok"] and res["sweep"] and all(r["ok"] for r in res["sweep"])
+    assert report["targets"]["all_checks_pass"]["met"] is True
+    assert report["targets"]["each_kernel_70pct_of_dense"]["met"] is None  # no GPU: not applicable
+    table = p.stdout[p.stdout.index("shape     call"):]
+    for call in calls:
+        assert any(line.startswith("quick") and call in line for line in table.splitlines()), call
+
+
+def test_bench_blocksparse_goes_on_after_a_faulting_child(tmp_path, monkeypatch):
+    """stk_runs: a child that faults on a call (its CUDA context gone) is replaced by a new one for
+    the calls left; a child that dies without a word is charged with the call it was on."""
+    import importlib.util  # noqa: PLC0415
+    spec = importlib.util.spec_from_file_location("bench_blocksparse", REPO / "benchmarks" / "bench_blocksparse.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    script = [  # what each successive child writes, and its exit status
+        ([dict(shape="s", call="a", ok=True, ms=1.0),
+          dict(shape="s", call="b", ok=False, crashed=True, error="RuntimeError: CUDA error: illegal address")], 3),
+        ([], -11),  # dies on "c" without writing anything
+        ([dict(shape="s", call="d", ok=True, ms=2.0)], 0),
+    ]
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        lines, rc = script[len(seen)]
+        seen.append(json.loads(cmd[cmd.index("--stk-child") + 1]))
+        out = Path(cmd[cmd.index("--stk-out") + 1])
+        out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return subprocess.CompletedProcess(cmd, rc, "", "Segmentation fault" if rc < 0 else "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    logged = []
+    res = bench.stk_runs([("s", c) for c in "abcd"], torch.float16, True, logged.append, tmp_path)
+    assert [len(x) for x in seen] == [4, 2, 1]  # a, b ran; then c, d; then d
+    assert res[("s", "a")]["ok"] and res[("s", "d")]["ok"]
+    assert res[("s", "b")]["crashed"] and res[("s", "c")]["crashed"] and "Segmentation" in res[("s", "c")]["error"]
+    assert sum("CRASHED" in line for line in logged) == 2

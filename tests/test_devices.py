@@ -96,3 +96,78 @@ def test_interpreter_is_active_in_the_test_session_and_kernels_know_it():
     assert compat.interpreter_active()
     k = compat.kernel(lambda: None)
     assert repr(k).startswith("Kernel(")
+
+
+# --------------------------------------------------------------------------------------------
+# Cube kernels (the block-sparse matmuls): the A2 budget, the tile choice, the cube-core grid.
+
+
+@pytest.mark.parametrize("kind", devices.CUBE_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("dense", [1, 48, 4096])
+def test_npu_cube_tiles_fit_the_budget_and_are_the_largest(kind, dtype, block, dense):
+    es = dtype.itemsize
+    t = devices.cube_tile(kind, dtype, block, dense, "npu")
+    assert devices.cube_fits(t, es)
+    sides = (t.block_m, t.block_n, t.block_k)
+    assert all(s >= devices.CUBE_FRACTAL and s & (s - 1) == 0 for s in sides)
+    inside = {"sdd": (t.block_m, t.block_n), "dsd": (t.block_m, t.block_k), "dds": (t.block_n, t.block_k)}[kind]
+    assert all(s <= block for s in inside)
+    assert t.group == devices.CUBE_GROUP
+    # No other tile within the caps fits with more work per element brought in (or as much and a deeper K).
+    cap = devices._limits(kind, block, dense, 256)
+    score = lambda x: (x.block_m * x.block_n / (x.block_m + x.block_n), x.block_k)  # noqa: E731
+    for m in devices._sides(cap[0]):
+        for n in devices._sides(cap[1]):
+            for k in devices._sides(cap[2]):
+                other = devices.CubeTile(m, n, k)
+                if devices.cube_fits(other, es):
+                    assert score(other) <= score(t), (other, t)
+
+
+def test_cube_bytes_counts_double_buffered_slices_and_the_accumulator():
+    b = devices.cube_bytes(devices.CubeTile(128, 256, 64), 2)
+    assert b == dict(l0a=2 * 128 * 64 * 2, l0b=2 * 64 * 256 * 2, l0c=128 * 256 * 4, l1=2 * (128 + 256) * 64 * 2)
+    assert devices.cube_fits(devices.CubeTile(128, 256, 64), 2)
+    assert not devices.cube_fits(devices.CubeTile(256, 256, 64), 2)  # L0C: 256 KiB of float32
+    assert not devices.cube_fits(devices.CubeTile(128, 256, 128), 2)  # L0B: 128 KiB
+
+
+def test_cube_tiles_on_the_other_targets():
+    cuda = devices.cube_tile("dsd", torch.bfloat16, 128, 4096, "cuda")
+    assert (cuda.block_m, cuda.block_n, cuda.block_k) == (128, 256, 64) and cuda.num_warps == 8
+    small = devices.cube_tile("dsd", torch.bfloat16, 32, 4096, "cuda")  # sides inside a block clip to it
+    assert (small.block_m, small.block_k) == (32, 32)
+    assert devices.cube_tile("sdd", torch.float32, 128, 4096, "cuda").block_k == 32  # fp32: half the K
+    assert devices.cube_tile("dds", torch.float16, 64, 20, "interpreter") == devices.CubeTile(32, 64, 64)
+    with pytest.raises(ValueError, match="unknown cube kernel kind"):
+        devices.cube_tile("ddd", torch.float16, 64, 20, "npu")
+    with pytest.raises(ValueError, match="unknown target"):
+        devices.cube_tile("sdd", torch.float16, 64, 20, "tpu")
+
+
+def test_cube_kernels_get_one_program_per_ai_core(monkeypatch):
+    monkeypatch.delenv("MEGABLOCKS_ASCEND_NUM_PROGRAMS", raising=False)
+    monkeypatch.setattr(devices, "_core_count", lambda kind, index: {"cuda": 132, "npu": 48}[kind])
+    monkeypatch.setattr(devices, "_aicore_count", lambda index: 24)
+    npu = types.SimpleNamespace(type="npu", index=0)
+    assert devices.num_programs(npu, 10**6, unit="cube") == 24
+    assert devices.num_programs(npu, 10**6) == 48  # the vector kernels: one per vector core
+    assert devices.num_programs(npu, 5, unit="cube") == 5
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert devices.num_programs(torch.device("cuda", 0), 10**6, unit="cube", programs_per_sm=2) == 264
+    with pytest.raises(ValueError, match="unknown core unit"):
+        devices.num_programs(npu, 10, unit="tensor")
+
+
+def test_npu_aicore_count_reads_num_aicore(monkeypatch):
+    import triton
+    fake = types.SimpleNamespace(utils=types.SimpleNamespace(
+        get_device_properties=lambda index: {"num_vectorcore": 40, "num_aicore": 20}))
+    monkeypatch.setattr(triton.runtime, "driver", types.SimpleNamespace(active=fake))
+    devices._aicore_count.cache_clear()
+    try:
+        assert devices._aicore_count(0) == 20
+    finally:
+        devices._aicore_count.cache_clear()

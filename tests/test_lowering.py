@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megablocks_ascend import devices, lowering
-from megablocks_ascend.kernels import routing
+from megablocks_ascend import compat, devices, lowering
+from megablocks_ascend.kernels import blocksparse, routing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,17 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _constexpr_names(spec):
-    return {k for k in spec.axes if k not in ("dtype", "hidden")} | set(spec.derived)
+    return {k for k in spec.axes if k not in lowering.SIZE_AXES} | set(spec.derived)
 
 
-def test_every_routing_kernel_has_a_table():
-    kernels = {name for name, obj in vars(routing).items() if isinstance(obj, type(routing._gather))}
-    assert kernels == {s.name for s in lowering.KERNELS}
+@pytest.mark.parametrize("module", [routing, blocksparse], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_kernel_has_a_table(module):
+    kernels = {name for name, obj in vars(module).items() if isinstance(obj, type(routing._gather))}
+    short = module.__name__.rsplit(".", 1)[-1]
+    assert kernels == {s.name for s in lowering.KERNELS if s.module == short}
+    assert all(s.cube == (short == "blocksparse" and s.name != "_row_indices") for s in lowering.KERNELS
+               if s.module == short)
 
 
 @pytest.mark.parametrize("spec", lowering.KERNELS, ids=lambda s: s.name)
 def test_table_names_match_kernel_signature(spec):
-    runtime, constexpr = lowering.kernel_params(getattr(routing, spec.name).fn)
+    runtime, constexpr = lowering.kernel_params(lowering._kernel(spec).fn)
     assert set(constexpr) == _constexpr_names(spec)
     for name in spec.data_ptrs:
         assert name in runtime
@@ -49,7 +53,11 @@ def test_table_names_match_kernel_signature(spec):
 
 
 def _index_ptrs(name):
-    return {"_gather": {"indices", "bins", "padded_bins"},
+    return {"_sdd": {"row_indices", "column_indices"},
+            "_dsd": {"offsets", "indices", "block_offsets"},
+            "_dds": {"offsets", "indices", "block_offsets"},
+            "_row_indices": {"offsets"},
+            "_gather": {"indices", "bins", "padded_bins"},
             "_gather_tokens": {"slot_to_row", "bins", "padded_bins"},
             "_route_map": {"indices", "bins", "padded_bins", "slot_to_row"},
             "_scatter": {"slot_to_row"},
@@ -101,7 +109,7 @@ class _Recorder:
 
 def _launcher_calls(monkeypatch, int64):
     calls = []
-    for name in [s.name for s in lowering.KERNELS]:
+    for name in [s.name for s in lowering.ROUTING_KERNELS]:
         monkeypatch.setattr(routing, name, _Recorder(name, calls))
     if int64:
         monkeypatch.setattr(routing, "_INT32_LIMIT", 1)  # every tensor counts as huge
@@ -172,8 +180,138 @@ def test_table_covers_every_launch(monkeypatch, int64):
     assert seen > 0
 
 
+def _blocksparse_launches(monkeypatch, int64):
+    """Calls the block-sparse launchers the ways stk and MegaBlocks do (dense operands contiguous
+    or transposed views, both transposes of the sparse operand), with an NPU's tiles; yields the
+    constexprs each launch passes."""
+    calls = []
+    for spec in lowering.CUBE_KERNELS:
+        monkeypatch.setattr(blocksparse, spec.name, _Recorder(spec.name, calls))
+    monkeypatch.setattr(compat, "dot_needs_float32", lambda dtype, device: False)  # as on an NPU
+    if int64:
+        monkeypatch.setattr(blocksparse, "_OFFSET_LIMIT", 0)
+    b = lowering.CUBE_BLOCK
+    one = torch.ones(1, dtype=torch.int16)
+    offsets = torch.tensor([0, 1], dtype=torch.int32)
+    block_offsets = torch.zeros(1, dtype=torch.int32)
+    meta = (offsets, torch.zeros(1, dtype=torch.int16), torch.zeros(1, dtype=torch.int16), offsets,
+            torch.zeros(1, dtype=torch.int16), block_offsets)
+
+    def dense(rows, cols, dtype, column_major):
+        return torch.zeros(cols, rows, dtype=dtype).t() if column_major else torch.zeros(rows, cols, dtype=dtype)
+
+    for dname, (_, tname, _) in lowering.DTYPES.items():
+        dtype = getattr(torch, tname)
+        for hidden in lowering.HIDDEN_SIZES:
+            tiles = {k: devices.cube_tile(k, dtype, b, hidden, "npu") for k in devices.CUBE_KINDS}
+            data = torch.zeros(1, b, b, dtype=dtype)
+            for lhs_cm in (False, True):
+                for rhs_cm in (False, True):
+                    blocksparse.sdd(dense(b, hidden, dtype, lhs_cm), dense(hidden, b, dtype, rhs_cm), (b, b),
+                                    torch.zeros(1, b, b, dtype=dtype), offsets, meta[1], meta[2],
+                                    tile=tiles["sdd"], num_programs=1)
+            for transpose in (False, True):
+                for cm in (False, True):
+                    blocksparse.dsd((b, b), data, *meta, transpose, dense(b, hidden, dtype, cm),
+                                    torch.zeros(b, hidden, dtype=dtype), tile=tiles["dsd"], num_programs=1)
+                    blocksparse.dds(dense(hidden, b, dtype, cm), (b, b), data, *meta, transpose,
+                                    torch.zeros(hidden, b, dtype=dtype), tile=tiles["dds"], num_programs=1)
+            yield dname, hidden, calls
+            calls.clear()
+    for index in (torch.int16, torch.int32):
+        blocksparse.row_indices((b, b), None, offsets, one, torch.zeros(1, dtype=index), num_programs=1)
+        yield None, None, calls
+        calls.clear()
+
+
+@pytest.mark.parametrize("int64", [False, True])
+def test_cube_table_covers_every_launch(monkeypatch, int64):
+    """Every constexpr combination the block-sparse launchers pass on an NPU is in the table."""
+    table = {}
+    for cfg in lowering.configs(lowering.CUBE_KERNELS):
+        table.setdefault((cfg.kernel, cfg.axes.get("dtype"), cfg.axes.get("hidden")), []).append(cfg.constexprs)
+    seen = set()
+    for dname, hidden, calls in _blocksparse_launches(monkeypatch, int64):
+        for kernel, kwargs in calls:
+            spec = next(s for s in lowering.CUBE_KERNELS if s.name == kernel)
+            names = _constexpr_names(spec)
+            assert names <= set(kwargs), f"{kernel}: launcher passes {sorted(kwargs)}"
+            launched = {k: kwargs[k] for k in names}
+            assert launched["INT64"] is int64 if "INT64" in launched else True
+            assert launched in table[(kernel, dname, hidden)], f"{kernel} {dname} H={hidden}: {launched}"
+            seen.add(kernel)
+    assert seen == {s.name for s in lowering.CUBE_KERNELS}
+
+
 # --------------------------------------------------------------------------------------------
 # Reading the IR (fixtures: real triton-ascend 3.2.0 ttadapter output, trimmed).
+
+# A dsd K loop (GATHER=0, bf16, 128 x 256 x 64): two whole-tile DMAs, one index read, one matmul.
+CUBE_K_LOOP = """\
+      %20 = scf.for %arg23 = %c0_i32 to %19 step %c1_i32 iter_args(%arg24 = %1) -> (tensor<128x256xf32>)  : i32 {
+        %reinterpret_cast_2 = memref.reinterpret_cast %arg2 to offset: [%36], sizes: [128, 64], strides: [%34, 1] : memref<?xbf16> to memref<128x64xbf16, strided<[?, 1], offset: ?>>
+        %alloc = memref.alloc() : memref<128x64xbf16>
+        memref.copy %reinterpret_cast_2, %alloc : memref<128x64xbf16, strided<[?, 1], offset: ?>> to memref<128x64xbf16>
+        %37 = bufferization.to_tensor %alloc restrict writable : memref<128x64xbf16>
+        %reinterpret_cast_3 = memref.reinterpret_cast %arg6 to offset: [%38], sizes: [1], strides: [1] : memref<?xi16> to memref<1xi16, strided<[1], offset: ?>>
+        %39 = memref.load %reinterpret_cast_3[%c0] : memref<1xi16, strided<[1], offset: ?>>
+        %reinterpret_cast_4 = memref.reinterpret_cast %arg3 to offset: [%49], sizes: [64, 256], strides: [%46, 1] : memref<?xbf16> to memref<64x256xbf16, strided<[?, 1], offset: ?>>
+        %alloc_5 = memref.alloc() : memref<64x256xbf16>
+        memref.copy %reinterpret_cast_4, %alloc_5 : memref<64x256xbf16, strided<[?, 1], offset: ?>> to memref<64x256xbf16>
+        %50 = bufferization.to_tensor %alloc_5 restrict writable : memref<64x256xbf16>
+        %51 = linalg.matmul {input_precison = "ieee"} ins(%37, %50 : tensor<128x64xbf16>, tensor<64x256xbf16>) outs(%arg24 : tensor<128x256xf32>) -> tensor<128x256xf32>
+        scf.yield %51 : tensor<128x256xf32>
+      }
+"""
+CUBE_TILE_STORE = ("      bufferization.materialize_in_destination %22 in writable %reinterpret_cast_1 : "
+                   "(tensor<128x256xbf16>, memref<128x256xbf16, strided<[?, 1], offset: ?>>) -> ()\n")
+# A column-major tile loaded as it lies (no transpose on chip): a copy with inner stride != 1.
+STRIDED_COPY = ("        memref.copy %reinterpret_cast_3, %alloc_4 : memref<128x128xbf16, strided<[1, ?], offset: ?>> "
+                "to memref<128x128xbf16>\n")
+# The masked K tail of sdd: a dynamic-size sub-tile copy, still one DMA.
+MASKED_COPY = ("        memref.copy %subview, %subview_4 : memref<128x?xbf16, strided<[?, 1], offset: ?>> "
+               "to memref<128x?xbf16, strided<[128, 1]>>\n")
+SCALAR_DATA_LOAD = "        %99 = memref.load %reinterpret_cast_9[%c0] : memref<1xbf16, strided<[1], offset: ?>>\n"
+
+
+def _cube_module(k_loop: str, store: str = CUBE_TILE_STORE) -> str:
+    return ('module {\n  func.func @_dsd(%arg0: memref<?xi8>) attributes {mix_mode = "mix"} {\n'
+            "    scf.for %arg22 = %arg19 to %5 step %arg16  : i32 {\n" + k_loop + store +
+            "    }\n    return\n  }\n}\n")
+
+
+def test_cube_k_loop_counts():
+    res = lowering.analyze_cube_ir(_cube_module(CUBE_K_LOOP))
+    assert res == dict(mmad=1, tile_dma=2, strided_dma=0, transposes=0, scalar_k=1, scalar_data_k=0,
+                       discrete_k=0, tile_stores=1, k_loops=1, mix_mode="mix")
+    assert lowering.cube_problems(res) == []
+
+
+def test_cube_gate_rejects_strided_tiles_scalar_data_and_missing_matmul():
+    def problems(ir):
+        return lowering.cube_problems(lowering.analyze_cube_ir(ir))
+    strided = CUBE_K_LOOP.replace("        %51 = linalg.matmul", STRIDED_COPY + "        %51 = linalg.matmul")
+    assert any("non-unit inner stride" in p for p in problems(_cube_module(strided)))
+    scalar = CUBE_K_LOOP.replace("        %51 = linalg.matmul", SCALAR_DATA_LOAD + "        %51 = linalg.matmul")
+    assert any("scalar data accesses" in p for p in problems(_cube_module(scalar)))
+    no_dot = CUBE_K_LOOP.replace("linalg.matmul", "linalg.generic")
+    assert any("tl.dot did not lower" in p for p in problems(_cube_module(no_dot)))
+    assert any("whole-tile store" in p for p in problems(_cube_module(CUBE_K_LOOP, store="")))
+    masked = CUBE_K_LOOP.replace("        %51 = linalg.matmul", MASKED_COPY + "        %51 = linalg.matmul")
+    assert lowering.analyze_cube_ir(_cube_module(masked))["tile_dma"] == 3 and problems(_cube_module(masked)) == []
+
+
+def test_format_table_has_a_cube_table():
+    cube = dict(kernel="_dsd", config="bf16 H=1024", status="ok", cube=True, mix_mode="mix", mmad=1, tile_dma=2,
+                transposes=0, scalar_k=1, scalar_data_k=0, tile_stores=1,
+                cube_bytes=dict(l0a=32768, l0b=65536, l0c=131072, l1=98304))
+    text = lowering.format_table([_result("_scatter", "ok"), cube])
+    lines = text.splitlines()
+    assert lines[-1] == "lowered: 2/2"
+    head = next(line for line in lines if line.startswith("kernel") and "matmul" in line)
+    assert "L0C bytes" in head and "tile DMA" in head
+    assert any(line.startswith("_dsd") and "131072" in line and "98304" in line for line in lines)
+
 
 ROW_COPY_LOOP = """\
       scf.for %arg20 = %c0_i32 to %arg11 step %c512_i32  : i32 {
@@ -389,3 +527,32 @@ def test_lower_one_kernel(tmp_path):
 def test_block_e_is_a_power_of_two_covering_the_experts():
     for e, want in ((0, 2), (1, 2), (2, 2), (3, 4), (8, 8), (9, 16), (64, 64), (65, 128)):
         assert devices.block_e(e) == want
+
+
+def test_tool_crashes_are_retried_and_reported_but_compile_errors_are_not():
+    """A backend tool killed by a signal is tried again (and the retry reported); a normal compile
+    error, or a crash that repeats, fails the configuration."""
+    crash = subprocess.CalledProcessError(-6, ["triton-adapter-opt"])
+    error = subprocess.CalledProcessError(1, ["triton-adapter-opt"])
+
+    class Flaky:
+        def __init__(self, failures):
+            self.failures, self.calls = list(failures), 0
+
+        def lower(self, spec, cfg):
+            self.calls += 1
+            if self.failures:
+                raise self.failures.pop(0)
+            return "ttir", "ir"
+
+    spec, cfg = lowering.KERNELS[0], None
+    flaky = Flaky([crash])
+    assert lowering._lower_retrying_tool_crashes(flaky, spec, cfg) == ("ttir", "ir", 1)
+    with pytest.raises(subprocess.CalledProcessError):
+        lowering._lower_retrying_tool_crashes(Flaky([error]), spec, cfg)
+    always = Flaky([crash] * (lowering.TOOL_CRASH_RETRIES + 1))
+    with pytest.raises(subprocess.CalledProcessError):
+        lowering._lower_retrying_tool_crashes(always, spec, cfg)
+    assert always.calls == lowering.TOOL_CRASH_RETRIES + 1
+    text = lowering.format_table([_result("_scatter", "ok", tool_crashes=1)])
+    assert "tool crashes retried" in text and text.splitlines()[-1] == "lowered: 1/1"
