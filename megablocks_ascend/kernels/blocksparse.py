@@ -366,10 +366,10 @@ def _precision(dtype: torch.dtype, device: torch.device) -> str:
     return "ieee"
 
 
-def _tile(kind, dtype, block_size, dense, device, tile):
+def _tile(kind, dtype, block_size, dense, device, tile, transposed=False):
     if tile is not None:
         return tile
-    return devices.cube_tile(kind, dtype, block_size, dense, devices.target(device))
+    return devices.cube_tile(kind, dtype, block_size, dense, devices.target(device), transposed)
 
 
 def _grid(device, work: int, tile, num_programs):
@@ -534,7 +534,7 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
         return out
     if nnz == 0:
         return out.zero_()
-    t = _tile("dsd", data.dtype, b, n, device, tile)
+    t = _tile("dsd", data.dtype, b, n, device, tile, transpose_a)
     _check_tile(t, b, "dsd")
     np_ = _cdiv(n, t.block_n) * t.block_n
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((k, np_), rhs.stride()),
@@ -588,7 +588,7 @@ def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, colum
         return out
     if nnz == 0:
         return out.zero_()
-    t = _tile("dds", data.dtype, b, m, device, tile)
+    t = _tile("dds", data.dtype, b, m, device, tile, transpose_b)
     _check_tile(t, b, "dds")
     mp = _cdiv(m, t.block_m) * t.block_m
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((mp, k), lhs.stride()),
