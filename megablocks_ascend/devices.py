@@ -296,22 +296,32 @@ CUDA_CUBE_TILES = {
     "dds": (CubeTile(256, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1),
             CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=1)),
 }
+# The same kinds with the sparse operand transposed (``dsd(S.t(), x)``: the sparse dMoE's weight
+# gradients). Their K loops are short (one block column of one expert: ~2k deep at the mixtral-like
+# shape, against ~14k for the forward dsd), so each tile's epilogue weighs more and a tile that lets
+# two programs share an SM, one storing while the other multiplies, can win. Kinds without an
+# entry here use CUDA_CUBE_TILES.
+CUDA_CUBE_TILES_TRANSPOSED: dict[str, tuple[CubeTile, CubeTile]] = {}
 
 
 @functools.lru_cache(maxsize=4096)  # called on every launch; a pure function of its arguments
-def cube_tile(kind: str, dtype: torch.dtype, block_size: int, dense: int, device_target: str) -> CubeTile:
+def cube_tile(kind: str, dtype: torch.dtype, block_size: int, dense: int, device_target: str,
+              transposed: bool = False) -> CubeTile:
     """The tile of a block-sparse matmul of ``kind`` (``sdd``, ``dsd``, ``dds``) on ``device_target``.
 
     ``block_size`` is the sparse matrix's block side; ``dense`` the size of the product's dense
     free dimension (sdd: K, dsd: N, dds: M), which only caps a tile side that would be wider than
-    it needs to be."""
+    it needs to be. ``transposed``: the sparse operand is read transposed (``dsd``/``dds`` with
+    ``transpose_a``/``transpose_b``); only the CUDA table tells the two apart."""
     if kind not in CUBE_KINDS:
         raise ValueError(f"unknown cube kernel kind {kind!r}: expected one of {CUBE_KINDS}")
     es = dtype.itemsize
     if device_target == "npu":
         return _npu_cube_tile(kind, es, block_size, dense)
     if device_target == "cuda":
-        base = CUDA_CUBE_TILES[kind][0 if es <= 2 else 1]
+        table = CUDA_CUBE_TILES_TRANSPOSED if transposed and kind in CUDA_CUBE_TILES_TRANSPOSED \
+            else CUDA_CUBE_TILES
+        base = table[kind][0 if es <= 2 else 1]
         cap_m, cap_n, cap_k = _limits(kind, block_size, dense, 256)
         return dataclasses.replace(base, block_m=min(base.block_m, cap_m), block_n=min(base.block_n, cap_n),
                                    block_k=min(base.block_k, cap_k))

@@ -363,7 +363,7 @@ def test_int64_kernels_give_the_same_results(monkeypatch):
                      ("dds^T", lambda: run_dds(topo, 20, dtype, gen, True))):
         state = gen.get_state()
         cases.append((name, fn, state, fn()[0]))
-    monkeypatch.setattr(bs, "_INT32_MAX", 0)
+    monkeypatch.setattr(bs, "_OFFSET_LIMIT", 0)
     for name, fn, state, int32 in cases:
         gen.set_state(state)
         assert torch.equal(fn()[0], int32), name
@@ -419,6 +419,21 @@ def test_int64_is_chosen_from_shapes_and_strides(monkeypatch, big):
         assert kwargs["INT64"] is big, name
         assert grid == (2,)
     assert rec["_sdd"].launches[0][2]["RHS_CM"] is True  # the transposed view is read column-major
+
+
+def test_dimensions_past_int32_are_refused(monkeypatch):
+    """Indices within a dimension and tile counts are int32 in the kernels: the launchers refuse
+    more (checked here with the limit lowered, as no such tensor fits this machine)."""
+    monkeypatch.setattr(bs, "_INT32_MAX", 40)
+    monkeypatch.setattr(bs, "_sdd", _NoLaunch())
+    gen = torch.Generator().manual_seed(14)
+    topo = make_topology("all", 1, 1, 16, gen)
+    with pytest.raises(ValueError, match="^lhs: has a dimension of 48 elements"):
+        bs.sdd(torch.zeros(16, 48), torch.zeros(48, 16), topo.shape, torch.zeros(1, 16, 16), topo.offsets,
+               topo.row_indices, topo.column_indices, tile=devices.CubeTile(16, 16, 16))
+    with pytest.raises(ValueError, match="^shape: needs 41 output tiles"):
+        bs._check_int32_extents(41, lhs=(16, 16))
+    bs._check_int32_extents(40, lhs=(16, 16))
 
 
 def test_max_offset_counts_padded_tiles():

@@ -189,7 +189,7 @@ def _blocksparse_launches(monkeypatch, int64):
         monkeypatch.setattr(blocksparse, spec.name, _Recorder(spec.name, calls))
     monkeypatch.setattr(compat, "dot_needs_float32", lambda dtype, device: False)  # as on an NPU
     if int64:
-        monkeypatch.setattr(blocksparse, "_INT32_MAX", 0)
+        monkeypatch.setattr(blocksparse, "_OFFSET_LIMIT", 0)
     b = lowering.CUBE_BLOCK
     one = torch.ones(1, dtype=torch.int16)
     offsets = torch.tensor([0, 1], dtype=torch.int32)
@@ -527,3 +527,32 @@ def test_lower_one_kernel(tmp_path):
 def test_block_e_is_a_power_of_two_covering_the_experts():
     for e, want in ((0, 2), (1, 2), (2, 2), (3, 4), (8, 8), (9, 16), (64, 64), (65, 128)):
         assert devices.block_e(e) == want
+
+
+def test_tool_crashes_are_retried_and_reported_but_compile_errors_are_not():
+    """A backend tool killed by a signal is tried again (and the retry reported); a normal compile
+    error, or a crash that repeats, fails the configuration."""
+    crash = subprocess.CalledProcessError(-6, ["triton-adapter-opt"])
+    error = subprocess.CalledProcessError(1, ["triton-adapter-opt"])
+
+    class Flaky:
+        def __init__(self, failures):
+            self.failures, self.calls = list(failures), 0
+
+        def lower(self, spec, cfg):
+            self.calls += 1
+            if self.failures:
+                raise self.failures.pop(0)
+            return "ttir", "ir"
+
+    spec, cfg = lowering.KERNELS[0], None
+    flaky = Flaky([crash])
+    assert lowering._lower_retrying_tool_crashes(flaky, spec, cfg) == ("ttir", "ir", 1)
+    with pytest.raises(subprocess.CalledProcessError):
+        lowering._lower_retrying_tool_crashes(Flaky([error]), spec, cfg)
+    always = Flaky([crash] * (lowering.TOOL_CRASH_RETRIES + 1))
+    with pytest.raises(subprocess.CalledProcessError):
+        lowering._lower_retrying_tool_crashes(always, spec, cfg)
+    assert always.calls == lowering.TOOL_CRASH_RETRIES + 1
+    text = lowering.format_table([_result("_scatter", "ok", tool_crashes=1)])
+    assert "tool crashes retried" in text and text.splitlines()[-1] == "lowered: 1/1"

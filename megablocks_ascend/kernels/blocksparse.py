@@ -62,7 +62,9 @@ index times a constexpr stays int16 and wraps past 32767 elements: MegaBlocks PR
 and garbage metadata can give wrong values but never an access out of bounds. Element offsets are
 int32 when every offset the kernel can form (tiles padded to whole tiles included) is below 2**31,
 which the launcher checks from shapes and strides; otherwise the kernel is specialised with
-``INT64=True`` and every index vector is int64 from the start.
+``INT64=True``, which widens every block index and index vector to int64 before it multiplies a
+stride. Indices within one dimension and tile counts are int32 either way (the launchers refuse
+a dimension or a tile count past 2**31 - 1).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ from megablocks_ascend.compat import kernel
 BLOCK_SIZES = (16, 32, 64, 128)  # block sides the kernels support
 INDEX_DTYPES = (torch.int16, torch.int32)  # row_indices, column_indices, column_indices_t
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INT32_MAX = 2**31 - 1  # largest element offset the int32 kernels form (monkeypatched in tests)
+_INT32_MAX = 2**31 - 1
+_OFFSET_LIMIT = _INT32_MAX  # largest element offset the int32 kernels form (lowered in tests)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,10 +101,10 @@ def _widen(x, INT64: tl.constexpr):
 
 
 @triton.jit
-def _index(ptr, i, limit, INT64: tl.constexpr):
-    """``ptr[i]`` (an int16 or int32 block index) widened and clamped into ``[0, limit)``."""
+def _index(ptr, i, limit):
+    """``ptr[i]`` (an int16 or int32 block index) widened to int32 and clamped into ``[0, limit)``."""
     v = tl.load(ptr + i).to(tl.int32)
-    return _widen(tl.minimum(tl.maximum(v, 0), limit - 1), INT64)
+    return tl.minimum(tl.maximum(v, 0), limit - 1)
 
 
 @triton.jit
@@ -151,20 +154,23 @@ def _tile_mask(rows, cols, r_bound, c_bound, MASK_R: tl.constexpr, MASK_C: tl.co
 
 @triton.jit
 def _load(base, rows, cols, stride_r, stride_c, r_bound, c_bound,
-          COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+          COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr, INT64: tl.constexpr):
     """The ``[len(rows), len(cols)]`` tile ``base[rows * stride_r + cols * stride_c]`` (0 where masked).
 
-    ``COLUMN_MAJOR`` (``stride_r`` is the unit stride) loads it as ``[cols, rows]``, contiguous
-    dimension last, and transposes it on chip."""
+    ``rows`` and ``cols`` are int32 indices (inside their dimensions); with ``INT64`` they are
+    widened before they multiply the strides. ``COLUMN_MAJOR`` (``stride_r`` is the unit stride)
+    loads the tile as ``[cols, rows]``, contiguous dimension last, and transposes it on chip."""
+    r64 = _widen(rows, INT64)
+    c64 = _widen(cols, INT64)
     if COLUMN_MAJOR:
-        ptrs = base + cols[:, None] * stride_c + rows[None, :] * stride_r
+        ptrs = base + c64[:, None] * stride_c + r64[None, :] * stride_r
         if MASK_R or MASK_C:
             t = tl.load(ptrs, mask=_tile_mask(cols, rows, c_bound, r_bound, MASK_C, MASK_R), other=0.0)
         else:
             t = tl.load(ptrs)
         t = tl.trans(t)
     else:
-        ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
+        ptrs = base + r64[:, None] * stride_r + c64[None, :] * stride_c
         if MASK_R or MASK_C:
             t = tl.load(ptrs, mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C), other=0.0)
         else:
@@ -174,17 +180,19 @@ def _load(base, rows, cols, stride_r, stride_c, r_bound, c_bound,
 
 @triton.jit
 def _store(base, rows, cols, stride_r, stride_c, value, r_bound, c_bound,
-           COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+           COLUMN_MAJOR: tl.constexpr, MASK_R: tl.constexpr, MASK_C: tl.constexpr, INT64: tl.constexpr):
     """Stores ``value`` (``[len(rows), len(cols)]``) like :func:`_load` loads."""
+    r64 = _widen(rows, INT64)
+    c64 = _widen(cols, INT64)
     if COLUMN_MAJOR:
-        ptrs = base + cols[:, None] * stride_c + rows[None, :] * stride_r
+        ptrs = base + c64[:, None] * stride_c + r64[None, :] * stride_r
         value = tl.trans(value)
         if MASK_R or MASK_C:
             tl.store(ptrs, value, mask=_tile_mask(cols, rows, c_bound, r_bound, MASK_C, MASK_R))
         else:
             tl.store(ptrs, value)
     else:
-        ptrs = base + rows[:, None] * stride_r + cols[None, :] * stride_c
+        ptrs = base + r64[:, None] * stride_r + c64[None, :] * stride_c
         if MASK_R or MASK_C:
             tl.store(ptrs, value, mask=_tile_mask(rows, cols, r_bound, c_bound, MASK_R, MASK_C))
         else:
@@ -205,24 +213,21 @@ def _sdd(lhs, rhs, out, row_indices, column_indices,
     """``out[b] = lhs[rows of b] @ rhs[:, columns of b]`` for every block ``b`` (tiles of it)."""
     TILES_N: tl.constexpr = BLOCK_SIZE // BLOCK_N
     TILES: tl.constexpr = (BLOCK_SIZE // BLOCK_M) * TILES_N
-    rm = _widen(tl.arange(0, BLOCK_M), INT64)
-    rn = _widen(tl.arange(0, BLOCK_N), INT64)
-    rk = _widen(tl.arange(0, BLOCK_K), INT64)
     for t in range(tl.program_id(0), nnz * TILES, tl.num_programs(0)):
         b = _grouped(t // TILES, nnz, row_width, GROUP)
         sub = t % TILES
-        m_in = (sub // TILES_N) * BLOCK_M + rm  # rows and columns inside the block
-        n_in = (sub % TILES_N) * BLOCK_N + rn
-        rows = _index(row_indices, b, block_rows, INT64) * BLOCK_SIZE + m_in
-        cols = _index(column_indices, b, block_cols, INT64) * BLOCK_SIZE + n_in
+        m_in = (sub // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows and columns inside the block
+        n_in = (sub % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = _index(row_indices, b, block_rows) * BLOCK_SIZE + m_in
+        cols = _index(column_indices, b, block_cols) * BLOCK_SIZE + n_in
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + rk
-            a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K)
-            w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K, INT64)
+            w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False, INT64)
             acc = _dot(a, w, acc, PRECISION, WIDEN)
         _store(out + _widen(b, INT64) * stride_ob, m_in, n_in, stride_om, stride_on,
-               acc.to(out.dtype.element_ty), 0, 0, OUT_CM, False, False)
+               acc.to(out.dtype.element_ty), 0, 0, OUT_CM, False, False, INT64)
 
 
 @kernel
@@ -238,32 +243,30 @@ def _dsd(data, rhs, out, offsets, indices, block_offsets,
     ``(m, k)`` of a block is ``data[block, 0, 0] + m * stride_am + k * stride_ak``."""
     TILES_M: tl.constexpr = BLOCK_SIZE // BLOCK_M
     KSUB: tl.constexpr = BLOCK_SIZE // BLOCK_K
-    rm = _widen(tl.arange(0, BLOCK_M), INT64)
-    rn = _widen(tl.arange(0, BLOCK_N), INT64)
-    rk = _widen(tl.arange(0, BLOCK_K), INT64)
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = (M // BLOCK_M) * tiles_n
     for t in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         g = _grouped(t, num_tiles, tiles_n, GROUP)
         tm = g // tiles_n
         br = tm // TILES_M
-        m_in = (tm % TILES_M) * BLOCK_M + rm
-        cols = (g % tiles_n) * BLOCK_N + rn
+        m_in = (tm % TILES_M) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (g % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         start, end = _span(offsets, br, nnz)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range((end - start) * KSUB):
             j = start + s // KSUB
-            k_in = (s % KSUB) * BLOCK_K + rk
+            k_in = (s % KSUB) * BLOCK_K + tl.arange(0, BLOCK_K)
             if GATHER:
-                blk = _index(block_offsets, j, nnz, INT64)
+                blk = _index(block_offsets, j, nnz)
             else:
-                blk = _widen(j, INT64)
-            a = _load(data + blk * stride_db, m_in, k_in, stride_am, stride_ak, 0, 0, A_CM, False, False)
-            ks = _index(indices, j, k_blocks, INT64) * BLOCK_SIZE + k_in
-            w = _load(rhs, ks, cols, stride_rk, stride_rn, 0, N, RHS_CM, False, not EVEN_N)
+                blk = j
+            a = _load(data + _widen(blk, INT64) * stride_db, m_in, k_in, stride_am, stride_ak, 0, 0, A_CM, False, False,
+                      INT64)
+            ks = _index(indices, j, k_blocks) * BLOCK_SIZE + k_in
+            w = _load(rhs, ks, cols, stride_rk, stride_rn, 0, N, RHS_CM, False, not EVEN_N, INT64)
             acc = _dot(a, w, acc, PRECISION, WIDEN)
-        _store(out, _widen(br, INT64) * BLOCK_SIZE + m_in, cols, stride_om, stride_on,
-               acc.to(out.dtype.element_ty), 0, N, OUT_CM, False, not EVEN_N)
+        _store(out, br * BLOCK_SIZE + m_in, cols, stride_om, stride_on,
+               acc.to(out.dtype.element_ty), 0, N, OUT_CM, False, not EVEN_N, INT64)
 
 
 @kernel
@@ -279,32 +282,30 @@ def _dds(lhs, data, out, offsets, indices, block_offsets,
     ``indices[j]``); element ``(k, n)`` of a block is ``data[block, 0, 0] + k * stride_bk + n * stride_bn``."""
     TILES_N: tl.constexpr = BLOCK_SIZE // BLOCK_N
     KSUB: tl.constexpr = BLOCK_SIZE // BLOCK_K
-    rm = _widen(tl.arange(0, BLOCK_M), INT64)
-    rn = _widen(tl.arange(0, BLOCK_N), INT64)
-    rk = _widen(tl.arange(0, BLOCK_K), INT64)
     col_tiles = N // BLOCK_N
     num_tiles = tl.cdiv(M, BLOCK_M) * col_tiles
     for t in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         g = _grouped(t, num_tiles, col_tiles, GROUP)
-        rows = (g // col_tiles) * BLOCK_M + rm
+        rows = (g // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         tn = g % col_tiles
         bc = tn // TILES_N
-        n_in = (tn % TILES_N) * BLOCK_N + rn
+        n_in = (tn % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
         start, end = _span(offsets, bc, nnz)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range((end - start) * KSUB):
             j = start + s // KSUB
-            k_in = (s % KSUB) * BLOCK_K + rk
-            ks = _index(indices, j, k_blocks, INT64) * BLOCK_SIZE + k_in
-            a = _load(lhs, rows, ks, stride_lm, stride_lk, M, 0, LHS_CM, not EVEN_M, False)
+            k_in = (s % KSUB) * BLOCK_K + tl.arange(0, BLOCK_K)
+            ks = _index(indices, j, k_blocks) * BLOCK_SIZE + k_in
+            a = _load(lhs, rows, ks, stride_lm, stride_lk, M, 0, LHS_CM, not EVEN_M, False, INT64)
             if GATHER:
-                blk = _index(block_offsets, j, nnz, INT64)
+                blk = _index(block_offsets, j, nnz)
             else:
-                blk = _widen(j, INT64)
-            w = _load(data + blk * stride_db, k_in, n_in, stride_bk, stride_bn, 0, 0, B_CM, False, False)
+                blk = j
+            w = _load(data + _widen(blk, INT64) * stride_db, k_in, n_in, stride_bk, stride_bn, 0, 0, B_CM, False, False,
+                      INT64)
             acc = _dot(a, w, acc, PRECISION, WIDEN)
-        _store(out, rows, _widen(bc, INT64) * BLOCK_SIZE + n_in, stride_om, stride_on,
-               acc.to(out.dtype.element_ty), M, 0, OUT_CM, not EVEN_M, False)
+        _store(out, rows, bc * BLOCK_SIZE + n_in, stride_om, stride_on,
+               acc.to(out.dtype.element_ty), M, 0, OUT_CM, not EVEN_M, False, INT64)
 
 
 @kernel
@@ -340,7 +341,18 @@ def _max_offset(sizes, strides) -> int:
 
 
 def _needs_int64(*max_offsets: int) -> bool:
-    return max(max_offsets) > _INT32_MAX
+    return max(max_offsets) > _OFFSET_LIMIT
+
+
+def _check_int32_extents(tiles: int, **dims) -> None:
+    """Tile counts and indices within one dimension (tiles padded to whole tiles) are int32 in the
+    kernels, whatever ``INT64`` says."""
+    for name, (size, tile) in dims.items():
+        if _cdiv(size, tile) * tile > _INT32_MAX:
+            _fail(name, f"has a dimension of {size} elements; the kernels index within a dimension in int32 "
+                        f"(at most {_INT32_MAX} elements, tiles included)")
+    if tiles > _INT32_MAX:
+        _fail("shape", f"needs {tiles} output tiles; the kernels count tiles in int32 (at most {_INT32_MAX})")
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -354,10 +366,10 @@ def _precision(dtype: torch.dtype, device: torch.device) -> str:
     return "ieee"
 
 
-def _tile(kind, dtype, block_size, dense, device, tile):
+def _tile(kind, dtype, block_size, dense, device, tile, transposed=False):
     if tile is not None:
         return tile
-    return devices.cube_tile(kind, dtype, block_size, dense, devices.target(device))
+    return devices.cube_tile(kind, dtype, block_size, dense, devices.target(device), transposed)
 
 
 def _grid(device, work: int, tile, num_programs):
@@ -475,6 +487,7 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None
     int64 = _needs_int64(_max_offset((m, kp), lhs.stride()), _max_offset((kp, n), rhs.stride()),
                          _max_offset(out.shape, out.stride()))
     tiles = nnz * (b // t.block_m) * (b // t.block_n)
+    _check_int32_extents(tiles, lhs=(max(m, k), t.block_k), rhs=(max(k, n), t.block_k))
     _sdd[_grid(device, tiles, t, num_programs)](
         lhs, rhs, out, row_indices, column_indices,
         k, nnz, m // b, n // b, max(1, nnz // max(m // b, 1)),
@@ -521,12 +534,13 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
         return out
     if nnz == 0:
         return out.zero_()
-    t = _tile("dsd", data.dtype, b, n, device, tile)
+    t = _tile("dsd", data.dtype, b, n, device, tile, transpose_a)
     _check_tile(t, b, "dsd")
     np_ = _cdiv(n, t.block_n) * t.block_n
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((k, np_), rhs.stride()),
                          _max_offset((m, np_), out.stride()))
     tiles = (m // t.block_m) * _cdiv(n, t.block_n)
+    _check_int32_extents(tiles, rhs=(max(k, n), t.block_n), out=(max(m, n), t.block_n))
     _dsd[_grid(device, tiles, t, num_programs)](
         data, rhs, out, line_offsets, line_indices, block_offsets_t if transpose_a else line_offsets,
         m, n, nnz, k // b,
@@ -574,12 +588,13 @@ def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, colum
         return out
     if nnz == 0:
         return out.zero_()
-    t = _tile("dds", data.dtype, b, m, device, tile)
+    t = _tile("dds", data.dtype, b, m, device, tile, transpose_b)
     _check_tile(t, b, "dds")
     mp = _cdiv(m, t.block_m) * t.block_m
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((mp, k), lhs.stride()),
                          _max_offset((mp, n), out.stride()))
     tiles = _cdiv(m, t.block_m) * (n // t.block_n)
+    _check_int32_extents(tiles, lhs=(max(m, k), t.block_m), out=(max(m, n), t.block_m))
     _dds[_grid(device, tiles, t, num_programs)](
         lhs, data, out, line_offsets, line_indices, line_offsets if transpose_b else block_offsets_t,
         m, n, nnz, k // b,
