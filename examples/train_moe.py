@@ -11,6 +11,7 @@ table's entropy.
 
     python examples/train_moe.py                  # MoE (capacity-limited, binned routing)
     python examples/train_moe.py --layer dmoe     # dMoE (dropless, grouped GEMM)
+    python examples/train_moe.py --layer dmoe --mlp-impl sparse   # dMoE on stk's block-sparse matmuls
     python examples/train_moe.py --amp bf16       # float32 parameters, forward under torch.autocast
     python examples/train_moe.py --amp fp16       # the same in fp16, with a GradScaler
     MEGABLOCKS_BACKEND=torch python examples/train_moe.py   # the pure-PyTorch reference path
@@ -86,6 +87,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layer", choices=("moe", "dmoe"), default="moe")
     p.add_argument("--mlp-type", choices=("mlp", "glu"), default="mlp", help="dMoE expert type")
+    p.add_argument("--mlp-impl", choices=("grouped", "sparse"), default="grouped",
+                   help="dMoE expert computation: grouped GEMM, or block-sparse matmuls (stk; needs "
+                        "2 * hidden to be a multiple of 128, MegaBlocks' block size)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
@@ -110,7 +114,7 @@ def main() -> None:
     args = Arguments(
         hidden_size=a.hidden, ffn_hidden_size=2 * a.hidden, num_layers=a.layers,
         moe_num_experts=a.experts, moe_top_k=a.top_k, moe_capacity_factor=1,
-        moe_loss_weight=0.01, mlp_impl="grouped", mlp_type=a.mlp_type,
+        moe_loss_weight=0.01, mlp_impl=a.mlp_impl, mlp_type=a.mlp_type,
         fp16=False, bf16=False, device=device,
     )
     layer_cls = MoE if a.layer == "moe" else dMoE
@@ -149,6 +153,8 @@ def main() -> None:
     backends = {be for _, be in served}
     if megablocks_ascend.requested() == "ascend" and backends != {"ascend"}:
         raise SystemExit(f"expected every routing op to be served by our Ascend kernels, got {backends}")
+    if a.layer == "dmoe" and a.mlp_impl == "sparse" and not {"sdd", "dsd"} <= {op for op, _ in served}:
+        raise SystemExit("--mlp-impl sparse ran no block-sparse matmul (sdd, dsd)")
     if not last < first:
         raise SystemExit(f"loss did not fall: {first:.3f} -> {last:.3f}")
     print(f"loss fell from {first:.3f} to {last:.3f} in {time.time() - start:.0f}s")

@@ -7,8 +7,9 @@
    switches the Triton interpreter on when this machine has neither CUDA nor an NPU and
    ``triton`` has not been imported yet (on such a machine it is the only way Triton runs);
 2. installs the patches in :mod:`megablocks_ascend.patching` (stand-ins for MegaBlocks' CUDA
-   extension and for grouped_gemm, device-neutral defaults, and the routing ops dispatched by
-   ``MEGABLOCKS_BACKEND``), when MegaBlocks is installed.
+   extension and for grouped_gemm, device-neutral defaults, the routing ops and stk's
+   block-sparse matmuls dispatched by ``MEGABLOCKS_BACKEND``, and MegaBlocks' refusal of
+   ``mlp_impl="sparse"`` lifted while those matmuls are ours), when MegaBlocks is installed.
 
 See README.md for the backends, the environment variables and what runs where.
 """
@@ -45,7 +46,7 @@ from megablocks_ascend.backends import (  # noqa: E402
     use_backend,
 )
 from megablocks_ascend.patching import PatchError, install, installed, uninstall  # noqa: E402
-from megablocks_ascend.validation import RoutingArgumentError  # noqa: E402
+from megablocks_ascend.validation import BlockSparseArgumentError, RoutingArgumentError  # noqa: E402
 
 if importlib.util.find_spec("megablocks") is not None:
     install()
@@ -53,6 +54,7 @@ if importlib.util.find_spec("megablocks") is not None:
 __all__ = [
     "BACKENDS",
     "BackendUnavailable",
+    "BlockSparseArgumentError",
     "PatchError",
     "RoutingArgumentError",
     "install",

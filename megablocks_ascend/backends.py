@@ -1,11 +1,12 @@
-"""Which implementation serves each routing call, and a record of who served it.
+"""Which implementation serves each routing and block-sparse call, and a record of who served it.
 
 ``MEGABLOCKS_BACKEND`` (see :mod:`megablocks_ascend.envs`) or the :func:`use_backend`
 context manager picks one of:
 
-``ascend``  our Triton kernels (:mod:`megablocks_ascend.kernels.routing`): triton-ascend on
-            NPU tensors, standard Triton on CUDA tensors, the Triton interpreter on CPU tensors.
-``cuda``    upstream MegaBlocks' kernels (``megablocks.backend.kernels`` as shipped), CUDA only.
+``ascend``  our Triton kernels (:mod:`megablocks_ascend.kernels`): triton-ascend on NPU tensors,
+            standard Triton on CUDA tensors, the Triton interpreter on CPU tensors.
+``cuda``    upstream's kernels (``megablocks.backend.kernels``, ``stk.backend.triton_kernels`` as
+            shipped), CUDA only; stk's are refused where they compute wrong results.
 ``torch``   plain PyTorch (:mod:`megablocks_ascend.reference`), any device.
 ``auto``    by device: NPU -> ``ascend``, CUDA -> ``cuda``, CPU -> ``torch``.
 
@@ -24,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from megablocks_ascend import compat, envs, reference, validation
-from megablocks_ascend.kernels import routing
+from megablocks_ascend.kernels import blocksparse, routing
 
 BACKENDS = envs.BACKENDS
 _AUTO = {"npu": "ascend", "cuda": "cuda", "cpu": "torch"}
@@ -211,3 +212,122 @@ def _make_dispatcher(name: str) -> Callable:
 
 KERNELS: dict[str, Callable] = {name: _make_dispatcher(name) for name in SPECS}
 globals().update(KERNELS)
+
+
+# ------------------------------------------------------------------------------------------
+# stk's block-sparse matmuls (stk.backend.triton_kernels), dispatched the same way.
+
+# name -> (parameters, the argument whose device stk itself takes as the call's device)
+STK_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
+    "sdd": (("lhs", "rhs", "shape", "out", "offsets", "row_indices", "column_indices"), "out"),
+    "dsd": (("shape", "data", "offsets", "row_indices", "column_indices", "offsets_t", "column_indices_t",
+             "block_offsets_t", "transpose_a", "rhs", "out"), "rhs"),
+    "dds": (("lhs", "shape", "data", "offsets", "row_indices", "column_indices", "offsets_t",
+             "column_indices_t", "block_offsets_t", "transpose_b", "out"), "lhs"),
+    "row_indices": (("shape", "data", "offsets", "column_indices", "out"), "out"),
+}
+
+# stk's own functions, for the ``cuda`` backend; filled by the patch registry before it replaces them.
+UPSTREAM_STK: dict[str, Callable] = {}
+
+STK_BLOCK_SIZE = 128  # stk's TritonConfig: its kernels compute 128 x 128 blocks and nothing else
+_INT16_LIMIT = 1 << 15  # an int16 value wraps at 32768
+_INT32_LIMIT = 1 << 31
+
+
+def _upstream_stk(name: str) -> Callable:
+    if name not in UPSTREAM_STK:
+        import stk.backend.triton_kernels as upstream  # noqa: PLC0415
+        fn = getattr(upstream, name)
+        if getattr(fn, "__megablocks_ascend__", False):
+            raise BackendUnavailable(f"stk.backend.triton_kernels.{name} was not recorded before patching")
+        UPSTREAM_STK[name] = fn
+    return UPSTREAM_STK[name]
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """The largest element offset a kernel computes when it addresses all of ``t`` by its strides."""
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def stk_kernels_refusal(name: str, a: dict) -> str | None:
+    """Why stk 0.7.1's own Triton kernels cannot compute this (validated) call correctly, or None.
+
+    The conditions come from reading stk's kernels and the IR Triton makes of them (the
+    derivation is in ``patches/stk-kernels.md``): its kernels are compiled for 128 x 128 blocks
+    and unmasked tiles; ``_sdd_kernel`` multiplies its int16 block indices by the ``BLOCK_M`` /
+    ``BLOCK_N`` constants, which with Triton >= 3.2 stays int16 and wraps at 32768 (``dsd`` and
+    ``dds`` multiply by a local variable, which Triton makes an int32 value); every other offset
+    is int32.
+    """
+    if name == "row_indices":
+        return None  # one store per block of a row number that validation checked fits the dtype
+    block = a["out"].shape[1] if name == "sdd" else a["data"].shape[1]
+    if block != STK_BLOCK_SIZE:
+        return (f"stk's kernels compute {STK_BLOCK_SIZE} x {STK_BLOCK_SIZE} blocks only; this matrix has "
+                f"{block} x {block}")
+    if name == "sdd":
+        (m, k), n = a["lhs"].shape, a["rhs"].shape[1]
+    elif name == "dsd":
+        (m, k), n = a["shape"], a["rhs"].shape[1]
+    else:
+        (m, k), n = a["lhs"].shape, a["shape"][1]
+    if m % 128 or n % 128 or k % 32:
+        return (f"stk's kernels need M and N multiples of 128 and K of 32 (no masked tiles); this call "
+                f"multiplies [{m}, {k}] by [{k}, {n}]")
+    if name == "sdd":  # pid_m * BLOCK_M and pid_n * BLOCK_N, with pid_m/pid_n loaded from the indices
+        for what, index, dim in (("row_indices * BLOCK_M", a["row_indices"], m),
+                                 ("column_indices * BLOCK_N", a["column_indices"], n)):
+            if index.dtype == torch.int16 and dim - block >= _INT16_LIMIT:
+                return (f"stk's sdd kernel computes {what} in int16 (Triton >= 3.2), which wraps for a block "
+                        f"whose element offset is {_INT16_LIMIT} or more: this matrix dimension has {dim} "
+                        f"elements (last block at {dim - block})")
+    tensors = {"sdd": ("lhs", "rhs", "out"), "dsd": ("data", "rhs", "out"), "dds": ("lhs", "data", "out")}[name]
+    for t in tensors:
+        if _max_offset(a[t]) >= _INT32_LIMIT:
+            return f"stk's kernels address '{t}' with int32 offsets, and it spans {_max_offset(a[t]) + 1} elements"
+    return None
+
+
+def _stk_implementation(name: str, backend: str) -> Callable:
+    if backend == "ascend":
+        return getattr(blocksparse, name)
+    if backend == "torch":
+        return getattr(reference.blocksparse, name)
+    return _upstream_stk(name)
+
+
+def _make_stk_dispatcher(name: str) -> Callable:
+    params, device_arg = STK_SPECS[name]
+    signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+
+    def dispatcher(*args, **kwargs):
+        if not kwargs and len(args) == len(params):
+            a = dict(zip(params, args))
+        else:
+            a = signature.bind(*args, **kwargs).arguments
+        block = validation.check_blocksparse(name, a)
+        device = a[device_arg].device
+        backend = resolve(device)
+        if backend == "ascend" and block not in blocksparse.BLOCK_SIZES:
+            raise BackendUnavailable(
+                f"MEGABLOCKS_BACKEND=ascend: our block-sparse kernels take blocks of "
+                f"{', '.join(map(str, blocksparse.BLOCK_SIZES))}, not {block}; use MEGABLOCKS_BACKEND=torch")
+        if backend == "cuda":
+            why = stk_kernels_refusal(name, a)
+            if why is not None:
+                raise BackendUnavailable(
+                    f"MEGABLOCKS_BACKEND={requested()} would run stk's own {name} kernel, which cannot compute "
+                    f"this call correctly: {why}. Use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch "
+                    "(plain PyTorch)")
+        _record(name, backend, device)
+        _stk_implementation(name, backend)(**a)
+
+    dispatcher.__name__ = dispatcher.__qualname__ = name
+    dispatcher.__signature__ = signature
+    dispatcher.__doc__ = f"stk.backend.triton_kernels.{name}, served by the backend MEGABLOCKS_BACKEND selects."
+    dispatcher.__megablocks_ascend__ = True
+    return dispatcher
+
+
+STK_KERNELS: dict[str, Callable] = {name: _make_stk_dispatcher(name) for name in STK_SPECS}

@@ -6,16 +6,21 @@ trace record) at run time, and has a fake (meta) implementation giving its outpu
 trace. The autograd Functions in :mod:`megablocks_ascend.ops` call these ops, so MegaBlocks' layers
 compile through them. ``padded_gather``'s row count is data-dependent (``padded_bins[-1]``) and
 is declared as such.
+
+stk's block-sparse matmuls are custom ops too (``torch.ops.megablocks_ascend.stk_{sdd,dsd,dds,
+row_indices}``, writing ``out`` in place, so declared ``mutates_args=("out",)``).
+:data:`STK_ENTRY_POINTS` are the functions installed as ``stk.backend.triton_kernels.*``: they call
+the custom op while ``torch.compile`` traces and the dispatcher directly otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from megablocks_ascend import backends
+from megablocks_ascend import backends, validation
 
 _NS = "megablocks_ascend"
 
@@ -119,3 +124,104 @@ def _(x, grad, indices, bin_ids, bins, padded_bins, top_k):
 
 
 OPS = {name: globals()[name] for name in backends.SPECS}
+
+
+# ------------------------------------------------------------------------------------------
+# stk's block-sparse matmuls (stk.backend.triton_kernels).
+
+
+@torch.library.custom_op(f"{_NS}::stk_sdd", mutates_args=("out",))
+def stk_sdd(lhs: Tensor, rhs: Tensor, shape: Sequence[int], out: Tensor, offsets: Tensor, row_indices: Tensor,
+            column_indices: Tensor) -> None:
+    backends.STK_KERNELS["sdd"](lhs, rhs, tuple(shape), out, offsets, row_indices, column_indices)
+
+
+@stk_sdd.register_fake
+def _(lhs, rhs, shape, out, offsets, row_indices, column_indices):
+    return None
+
+
+@torch.library.custom_op(f"{_NS}::stk_dsd", mutates_args=("out",))
+def stk_dsd(shape: Sequence[int], data: Tensor, offsets: Tensor, row_indices: Tensor, column_indices: Tensor,
+            offsets_t: Tensor, column_indices_t: Tensor, block_offsets_t: Tensor, transpose_a: bool, rhs: Tensor,
+            out: Tensor) -> None:
+    backends.STK_KERNELS["dsd"](tuple(shape), data, offsets, row_indices, column_indices, offsets_t,
+                                column_indices_t, block_offsets_t, transpose_a, rhs, out)
+
+
+@stk_dsd.register_fake
+def _(shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
+      transpose_a, rhs, out):
+    return None
+
+
+@torch.library.custom_op(f"{_NS}::stk_dds", mutates_args=("out",))
+def stk_dds(lhs: Tensor, shape: Sequence[int], data: Tensor, offsets: Tensor, row_indices: Tensor,
+            column_indices: Tensor, offsets_t: Tensor, column_indices_t: Tensor, block_offsets_t: Tensor,
+            transpose_b: bool, out: Tensor) -> None:
+    backends.STK_KERNELS["dds"](lhs, tuple(shape), data, offsets, row_indices, column_indices, offsets_t,
+                                column_indices_t, block_offsets_t, transpose_b, out)
+
+
+@stk_dds.register_fake
+def _(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
+      transpose_b, out):
+    return None
+
+
+# row_indices' ``data`` only tells the block count and size, and MegaBlocks passes it on the meta
+# device: a meta tensor among a custom op's arguments would send the call to the fake
+# implementation, so the op takes the two numbers instead.
+@torch.library.custom_op(f"{_NS}::stk_row_indices", mutates_args=("out",))
+def stk_row_indices(shape: Sequence[int], blocks: int, block_size: int, offsets: Tensor, column_indices: Tensor,
+                    out: Tensor) -> None:
+    data = torch.empty((blocks, block_size, block_size), device="meta")
+    backends.STK_KERNELS["row_indices"](tuple(shape), data, offsets, column_indices, out)
+
+
+@stk_row_indices.register_fake
+def _(shape, blocks, block_size, offsets, column_indices, out):
+    return None
+
+
+def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices):
+    if torch.compiler.is_compiling():
+        return stk_sdd(lhs, rhs, list(shape), out, offsets, row_indices, column_indices)
+    return backends.STK_KERNELS["sdd"](lhs, rhs, shape, out, offsets, row_indices, column_indices)
+
+
+def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
+        transpose_a, rhs, out):
+    if torch.compiler.is_compiling():
+        return stk_dsd(list(shape), data, offsets, row_indices, column_indices, offsets_t, column_indices_t,
+                       block_offsets_t, bool(transpose_a), rhs, out)
+    return backends.STK_KERNELS["dsd"](shape, data, offsets, row_indices, column_indices, offsets_t,
+                                       column_indices_t, block_offsets_t, transpose_a, rhs, out)
+
+
+def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
+        transpose_b, out):
+    if torch.compiler.is_compiling():
+        return stk_dds(lhs, list(shape), data, offsets, row_indices, column_indices, offsets_t, column_indices_t,
+                       block_offsets_t, bool(transpose_b), out)
+    return backends.STK_KERNELS["dds"](lhs, shape, data, offsets, row_indices, column_indices, offsets_t,
+                                       column_indices_t, block_offsets_t, transpose_b, out)
+
+
+def row_indices(shape, data, offsets, column_indices, out):
+    if torch.compiler.is_compiling():
+        if out.dtype == torch.int16:
+            # The sparse dMoE's row count is data-dependent (padded_gather), and right after this
+            # call stk.Matrix compares it with its int16 limit, which the compiler cannot decide.
+            # Validation holds every call to the same limit; stating it here lets it decide.
+            torch._check(shape[0] <= validation.INT16_BLOCKS * data.shape[1])
+        return stk_row_indices(list(shape), data.shape[0], data.shape[1], offsets, column_indices, out)
+    return backends.STK_KERNELS["row_indices"](shape, data, offsets, column_indices, out)
+
+
+STK_ENTRY_POINTS = {"sdd": sdd, "dsd": dsd, "dds": dds, "row_indices": row_indices}
+STK_OPS = {"sdd": stk_sdd, "dsd": stk_dsd, "dds": stk_dds, "row_indices": stk_row_indices}
+for _entry in STK_ENTRY_POINTS.values():
+    _entry.__megablocks_ascend__ = True
+    _entry.__doc__ = (f"stk.backend.triton_kernels.{_entry.__name__}, served by the backend MEGABLOCKS_BACKEND "
+                      "selects (a torch.library custom op while torch.compile traces).")

@@ -4,7 +4,9 @@ The check a user with an NPU runs first: every routing kernel function of every 
 (binned, dropless, padded), forward and weight-gradient, in fp32/fp16/bf16, on shapes that cross
 expert boundaries inside sub-blocks, drop tokens and leave padding, compared with the pure-PyTorch
 backend on the same device. Gathers must match exactly; scatters and weight gradients within a
-tolerance derived from the dtype.
+tolerance derived from the dtype. Then stk's block-sparse matmuls as the sparse dMoE calls them
+(``sdd``, ``dsd``, ``dsd`` transposed, ``dds``, ``row_indices``) on a MegaBlocks-shaped topology
+with an expert that got no tokens, against the same backend.
 """
 
 from __future__ import annotations
@@ -56,12 +58,57 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def run(device: torch.device, dtypes=(torch.float32, torch.float16, torch.bfloat16), verbose=True) -> int:
+def _dmoe_topology(rows_per_expert, ffn, block, device):
+    """The BCSR metadata MegaBlocks' ``ParallelDroplessMLP.topology`` builds: block row ``r`` of
+    expert ``e`` holds block columns ``e * ffn/block ..`` (all of the expert's), int16 indices."""
+    per_row = ffn // block
+    experts = [e for e, rows in enumerate(rows_per_expert) for _ in range(rows // block)]
+    cols = [e * per_row + j for e in experts for j in range(per_row)]
+    rows = [r for r in range(len(experts)) for _ in range(per_row)]
+    order = sorted(range(len(cols)), key=lambda i: (cols[i], rows[i]))
+    counts = [0] * (len(rows_per_expert) * per_row)
+    for c in cols:
+        counts[c] += 1
+    to = dict(device=device)
+    i16, i32 = dict(dtype=torch.int16, **to), dict(dtype=torch.int32, **to)
+    return dict(offsets=torch.arange(0, len(cols) + 1, per_row, **i32), row_indices=torch.tensor(rows, **i16),
+                column_indices=torch.tensor(cols, **i16),
+                offsets_t=torch.cumsum(torch.tensor([0] + counts), 0).to(**i32),
+                column_indices_t=torch.tensor([rows[i] for i in order], **i16),
+                block_offsets_t=torch.tensor(order, **i32))
+
+
+def _blocksparse(device, dtype, gen):
+    """(name, args, output) of stk's calls in a sparse dMoE step: 3 experts of ffn 256, one empty."""
+    block, ffn, hidden = 128, 256, 96
+    t = _dmoe_topology([256, 0, 128], ffn, block, device)
+    m, n = 384, 3 * ffn
+    nnz = t["row_indices"].numel()
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    x, w1, w2, dy, data = rand(m, hidden), rand(n, hidden), rand(n, hidden), rand(m, hidden), rand(nnz, block, block)
+    out = lambda *shape: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
+    meta = (t["offsets"], t["row_indices"], t["column_indices"], t["offsets_t"], t["column_indices_t"],
+            t["block_offsets_t"])
+    return [
+        ("sdd", (x, w1.t(), (m, n), out(nnz, block, block), *meta[:3]), 3),
+        ("dsd", ((m, n), data, *meta, False, w2, out(m, hidden)), 10),
+        ("dsd", ((n, m), data, *meta, True, dy, out(n, hidden)), 10),
+        ("dds", (dy.t(), (m, n), data, *meta, False, out(hidden, n)), 10),
+        ("row_indices", ((m, n), torch.empty(nnz, block, block, device="meta"), t["offsets"],
+                         t["column_indices"], torch.empty(nnz, dtype=torch.int16, device=device)), 4),
+    ]
+
+
+def run(device: torch.device, dtypes=(torch.float32, torch.float16, torch.bfloat16), verbose=True,
+        families=("routing", "blocksparse")) -> int:
     from megablocks_ascend import backends  # noqa: PLC0415
     gen = torch.Generator().manual_seed(0)
     failures = 0
     rows = []
-    for tokens, hidden, experts, top_k, cf in _SHAPES:
+    for tokens, hidden, experts, top_k, cf in _SHAPES if "routing" in families else ():
         indices, bin_ids, bins, padded, w = _routing(tokens, experts, top_k, device, gen)
         cap = max(int(cf * tokens * top_k / experts), 1)
         n = tokens * top_k
@@ -102,6 +149,23 @@ def run(device: torch.device, dtypes=(torch.float32, torch.float16, torch.bfloat
                 failures += not ok
                 rows.append((name, f"T={tokens} H={hidden} E={experts} k={top_k}", str(dtype)[6:], err,
                              "ok" if ok else "FAIL", elapsed))
+    for dtype in dtypes if "blocksparse" in families else ():
+        for name, args, out_index in _blocksparse(device, dtype, gen):
+            fn = backends.STK_KERNELS[name]
+            ref_args = tuple(a.clone() if i == out_index else a for i, a in enumerate(args))
+            with backends.use_backend("torch"):
+                fn(*ref_args)
+            start = time.perf_counter()
+            with backends.use_backend("ascend"):
+                fn(*args)
+            elapsed = time.perf_counter() - start
+            out, ref = args[out_index], ref_args[out_index]
+            err = _rel(out, ref)
+            ok = torch.equal(out, ref) if name == "row_indices" else err <= _TOL[dtype]
+            failures += not ok
+            shape = tuple(args[{"sdd": 2, "dds": 1}.get(name, 0)])
+            shape = f"{shape} B=128" + (" transposed" if name == "dsd" and args[8] else "")
+            rows.append((name, shape, str(dtype)[6:], err, "ok" if ok else "FAIL", elapsed))
     if verbose:
         print(f"{'kernel':22} {'shape':28} {'dtype':9} {'rel.err':>9}  status  seconds")
         for name, shape, dt, err, status, elapsed in rows:

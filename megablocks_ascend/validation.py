@@ -5,6 +5,10 @@ tensor values (``bins`` monotone and ending at the number of assignments, ``indi
 permutation, ``bin_ids`` consistent with ``bins``, ``padded_bins`` covering ``bins``, finite
 router weights) need a device-to-host sync and run only when ``MEGABLOCKS_ASCEND_CHECKS=1``.
 No check writes to its arguments: a failing call leaves the caller's tensors untouched.
+
+:func:`check_routing` covers MegaBlocks' routing kernels (:class:`RoutingArgumentError`),
+:func:`check_blocksparse` stk's block-sparse matmuls (:class:`BlockSparseArgumentError`; with
+the checks on, also a well-formed BCSR topology and transposed metadata that matches it).
 """
 
 from __future__ import annotations
@@ -126,3 +130,189 @@ def check_values(op, *, indices, bins, bin_ids=None, weights=None, padded_bins=N
         for bad, message in items:
             if bad:
                 _fail(op, name, message)
+
+
+
+# ------------------------------------------------------------------------------------------
+# stk's block-sparse matmuls (stk.backend.triton_kernels.{sdd, dsd, dds, row_indices}).
+
+BLOCK_INDEX_DTYPES = (torch.int16, torch.int32)
+# stk.Matrix's own limit for int16 indices: at most 32767 blocks along each dimension (its
+# ``max_dim = iinfo(int16).max * blocking``); the same rule here, for every backend.
+INT16_BLOCKS = torch.iinfo(torch.int16).max
+
+
+class BlockSparseArgumentError(ValueError):
+    """One of stk's block-sparse matmuls was called with an argument it cannot use."""
+
+
+def _bs_fail(op, name, problem):
+    raise BlockSparseArgumentError(f"{op}: argument '{name}' {problem}")
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _bs_tensor(op, name, t, ndim, dtypes):
+    if not isinstance(t, torch.Tensor):
+        _bs_fail(op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim:
+        _bs_fail(op, name, f"must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        _bs_fail(op, name, f"must have dtype in ({', '.join(map(_dtype_name, dtypes))}), got {_dtype_name(t.dtype)}")
+
+
+def _bs_shape(op, shape):
+    if isinstance(shape, torch.Tensor) or not isinstance(shape, (tuple, list)) or len(shape) != 2 or \
+            any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        _bs_fail(op, "shape", f"must be two non-negative ints (the sparse matrix's size), got {shape!r}")
+    return int(shape[0]), int(shape[1])
+
+
+def _bs_blocks(op, name, t):
+    """A [nnz, B, B] tensor of blocks (``data``, or sdd's ``out``): returns (nnz, B)."""
+    _bs_tensor(op, name, t, 3, FLOAT_DTYPES)
+    if t.shape[1] != t.shape[2] or t.shape[1] == 0:
+        _bs_fail(op, name, f"must hold square, non-empty blocks [nnz, B, B], got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        _bs_fail(op, name, "must be contiguous")
+    return t.shape[0], t.shape[1]
+
+
+def _bs_dense(op, name, t, rows, cols, like_name, like, operand=True):
+    """A dense matrix: an operand (read by stk's stride rule, below) or an output (``operand=False``,
+    written through its strides, whatever they are)."""
+    _bs_tensor(op, name, t, 2, FLOAT_DTYPES)
+    if t.dtype != like.dtype:
+        _bs_fail(op, name, f"has dtype {_dtype_name(t.dtype)} but '{like_name}' has {_dtype_name(like.dtype)}")
+    if (rows is not None and t.shape[0] != rows) or (cols is not None and t.shape[1] != cols):
+        want = ", ".join("?" if d is None else str(d) for d in (rows, cols))
+        _bs_fail(op, name, f"must have shape ({want}), got {tuple(t.shape)}")
+    if operand and t.stride(0) > 1 and t.stride(1) > 1:
+        _bs_fail(op, name, f"has strides {t.stride()}: stk reads a dense operand whose strides are both > 1 as the "
+                 "transpose of itself, so it must be contiguous or the .t() of a contiguous tensor")
+
+
+def _bs_multiple(op, shape, block, blocks_name):
+    for what, dim in zip(("rows", "columns"), shape):
+        if dim % block:
+            _bs_fail(op, "shape", f"has {dim} {what}, not a multiple of the block size {block} (from '{blocks_name}')")
+
+
+def _bs_index(op, name, t, n, dtypes=BLOCK_INDEX_DTYPES):
+    _bs_tensor(op, name, t, 1, dtypes)
+    if t.shape[0] != n:
+        _bs_fail(op, name, f"has {t.shape[0]} entries, expected {n}")
+
+
+def _bs_fits_int16(op, name, t, blocks, what):
+    if t.dtype == torch.int16 and blocks > INT16_BLOCKS:
+        _bs_fail(op, name, f"is int16, which cannot index {blocks} block {what} (at most {INT16_BLOCKS}, "
+                 "stk.Matrix's limit); use int32 indices")
+
+
+def _bs_topology(op, a, stored, block, nnz, transposed_metadata):
+    """The BCSR metadata of the stored (untransposed) matrix of size ``stored``."""
+    block_rows, block_cols = stored[0] // block, stored[1] // block
+    _bs_index(op, "offsets", a["offsets"], block_rows + 1, (torch.int32,))
+    _bs_index(op, "row_indices", a["row_indices"], nnz)
+    _bs_index(op, "column_indices", a["column_indices"], nnz)
+    _bs_fits_int16(op, "row_indices", a["row_indices"], block_rows, "rows")
+    _bs_fits_int16(op, "column_indices", a["column_indices"], block_cols, "columns")
+    if transposed_metadata:
+        _bs_index(op, "offsets_t", a["offsets_t"], block_cols + 1, (torch.int32,))
+        _bs_index(op, "column_indices_t", a["column_indices_t"], nnz)
+        _bs_index(op, "block_offsets_t", a["block_offsets_t"], nnz, (torch.int32,))
+        _bs_fits_int16(op, "column_indices_t", a["column_indices_t"], block_rows, "rows")
+    if nnz > block_rows * block_cols:
+        _bs_fail(op, "row_indices", f"has {nnz} blocks, more than the {block_rows} x {block_cols} the matrix holds")
+
+
+def check_blocksparse(op, a):
+    """Validate one call of stk's ``sdd``/``dsd``/``dds``/``row_indices`` (``a``: the arguments by
+    name, as stk's functions take them). Shapes, dtypes, devices and strides always; the
+    metadata's values only when ``MEGABLOCKS_ASCEND_CHECKS=1``. Returns the block size."""
+    shape = _bs_shape(op, a["shape"])
+    if op == "sdd":  # out = the blocks of lhs [M, K] @ rhs [K, N] that the topology keeps
+        nnz, block = _bs_blocks(op, "out", a["out"])
+        _bs_multiple(op, shape, block, "out")
+        _bs_dense(op, "lhs", a["lhs"], shape[0], None, "out", a["out"])
+        _bs_dense(op, "rhs", a["rhs"], a["lhs"].shape[1], shape[1], "out", a["out"])
+        stored = shape
+        _bs_topology(op, a, stored, block, nnz, transposed_metadata=False)
+        tensors = ("lhs", "rhs", "out", "offsets", "row_indices", "column_indices")
+    elif op in ("dsd", "dds"):
+        transpose = "transpose_a" if op == "dsd" else "transpose_b"
+        if not isinstance(a[transpose], bool):
+            _bs_fail(op, transpose, f"must be a bool, got {type(a[transpose]).__name__}")
+        nnz, block = _bs_blocks(op, "data", a["data"])
+        _bs_multiple(op, shape, block, "data")
+        if op == "dsd":  # out [M, N] = sparse [M, K] @ rhs [K, N]
+            _bs_dense(op, "rhs", a["rhs"], shape[1], None, "data", a["data"])
+            _bs_dense(op, "out", a["out"], shape[0], a["rhs"].shape[1], "data", a["data"], operand=False)
+            dense = "rhs"
+        else:  # out [M, N] = lhs [M, K] @ sparse [K, N]
+            _bs_dense(op, "lhs", a["lhs"], None, shape[0], "data", a["data"])
+            _bs_dense(op, "out", a["out"], a["lhs"].shape[0], shape[1], "data", a["data"], operand=False)
+            dense = "lhs"
+        stored = shape[::-1] if a[transpose] else shape
+        _bs_topology(op, a, stored, block, nnz, transposed_metadata=True)
+        tensors = (dense, "out", "data", "offsets", "row_indices", "column_indices", "offsets_t",
+                   "column_indices_t", "block_offsets_t")
+    elif op == "row_indices":
+        # ``data`` only gives the block count and size: MegaBlocks passes a tensor on the meta device.
+        nnz, block = _bs_blocks(op, "data", a["data"])
+        _bs_multiple(op, shape, block, "data")
+        _bs_index(op, "offsets", a["offsets"], shape[0] // block + 1, (torch.int32,))
+        _bs_index(op, "column_indices", a["column_indices"], nnz)
+        _bs_index(op, "out", a["out"], nnz)
+        _bs_fits_int16(op, "out", a["out"], shape[0] // block, "rows")
+        tensors = ("offsets", "column_indices", "out")
+    else:
+        raise ValueError(f"unknown block-sparse op {op!r}")
+    devices = {name: a[name].device for name in tensors}
+    first_name, first = next(iter(devices.items()))
+    for name, dev in devices.items():
+        if dev != first:
+            _bs_fail(op, name, f"is on {dev} but '{first_name}' is on {first}")
+    if envs.checks_enabled():
+        if op == "row_indices":
+            check_offsets_values(op, "offsets", a["offsets"], nnz)
+        else:
+            check_topology_values(op, a, stored, block, transposed_metadata=op != "sdd")
+    return block
+
+
+def check_offsets_values(op, name, offsets, nnz):
+    o = offsets.long()
+    if bool(o[0] != 0) or bool((o[1:] < o[:-1]).any()) or int(o[-1]) != nnz:
+        _bs_fail(op, name, f"must rise from 0 to the number of blocks ({nnz}) without decreasing")
+
+
+def check_topology_values(op, a, stored, block, transposed_metadata):
+    """The checks that read the metadata's values (a device-to-host sync): a well-formed BCSR
+    matrix, and transposed metadata that lists the same blocks column by column."""
+    rows, cols = a["row_indices"].long(), a["column_indices"].long()
+    nnz = rows.shape[0]
+    block_rows, block_cols = stored[0] // block, stored[1] // block
+    check_offsets_values(op, "offsets", a["offsets"], nnz)
+    expected_rows = torch.repeat_interleave(torch.arange(block_rows, device=rows.device),
+                                            torch.diff(a["offsets"].long()), output_size=nnz)
+    if not torch.equal(rows, expected_rows):
+        _bs_fail(op, "row_indices", "is not consistent with 'offsets' (block i lies in the block row r with "
+                 "offsets[r] <= i < offsets[r + 1])")
+    if nnz and bool(((cols < 0) | (cols >= block_cols)).any()):
+        _bs_fail(op, "column_indices", f"must lie in [0, {block_cols})")
+    if not transposed_metadata:
+        return
+    check_offsets_values(op, "offsets_t", a["offsets_t"], nnz)
+    order = a["block_offsets_t"].long()
+    if not torch.equal(torch.sort(order).values, torch.arange(nnz, device=order.device)):
+        _bs_fail(op, "block_offsets_t", "must be a permutation of the blocks")
+    if not torch.equal(a["column_indices_t"].long(), rows[order]):
+        _bs_fail(op, "column_indices_t", "must hold the block row of each block, in 'block_offsets_t' order")
+    expected_cols = torch.repeat_interleave(torch.arange(block_cols, device=cols.device),
+                                            torch.diff(a["offsets_t"].long()), output_size=nnz)
+    if not torch.equal(cols[order], expected_cols):
+        _bs_fail(op, "block_offsets_t", "must list the blocks column by column, as 'offsets_t' counts them")

@@ -2,8 +2,9 @@
 
 Each rank holds half of the experts (``moe_expert_model_parallelism=True``); tokens travel between
 ranks with ``all_to_all`` and are routed with ``ops.gather`` / ``ops.scatter`` / ``ops.replicate``
-and the binned or dropless ops. Every rank checks its output and gradients against the same layer
-with all experts in one process (weights copied), run by the ``torch`` backend:
+and the binned, dropless or padded ops (the last with stk's block-sparse matmuls: the sparse dMoE).
+Every rank checks its output and gradients against the same layer with all experts in one process
+(weights copied), run by the ``torch`` backend:
 
 * outputs and input gradients must match;
 * router gradients must match (they only see the rank's own tokens);
@@ -52,10 +53,11 @@ def _worker(rank, store, layer_kind, backend, device_type="cpu", pg_backend="glo
     dist.init_process_group(pg_backend, rank=rank, world_size=WORLD, init_method=f"file://{store}")
     try:
         cls = MoE if layer_kind == "moe" else dMoE
-        experts, hidden, ffn, top_k = 4, 16, 64, 2  # dMoE needs ffn * experts >= 128
+        sparse = layer_kind == "dmoe-sparse"  # the block-sparse MLP needs ffn to be a multiple of 128
+        experts, hidden, ffn, top_k = 4, 16, 128 if sparse else 64, 2  # dMoE needs ffn * experts >= 128
         common = dict(hidden_size=hidden, ffn_hidden_size=ffn, moe_num_experts=experts, moe_top_k=top_k,
-                      moe_capacity_factor=experts, mlp_impl="grouped", fp16=False, bf16=False,
-                      moe_loss_weight=0.0, device=device)
+                      moe_capacity_factor=experts, mlp_impl="sparse" if sparse else "grouped", fp16=False,
+                      bf16=False, moe_loss_weight=0.0, device=device)
         torch.manual_seed(0)
         full = cls(Arguments(**common))
         ep = cls(Arguments(**common, moe_expert_model_parallelism=True,
@@ -106,6 +108,7 @@ def _worker(rank, store, layer_kind, backend, device_type="cpu", pg_backend="glo
             assert _rel(p.grad, expected) < tol, name
         ops_seen = {c.op for c in calls}
         assert {"gather", "scatter"} <= ops_seen, ops_seen
+        assert sparse == ({"padded_gather", "sdd", "dsd"} <= ops_seen), ops_seen
         # Rank 0 hosts the rendezvous store: nobody leaves before everybody is done with it.
         dist.barrier()
     finally:
@@ -118,6 +121,6 @@ def _worker(rank, store, layer_kind, backend, device_type="cpu", pg_backend="glo
 
 
 @pytest.mark.parametrize("backend", ["ascend", "torch"])
-@pytest.mark.parametrize("layer_kind", ["moe", "dmoe"])
+@pytest.mark.parametrize("layer_kind", ["moe", "dmoe", "dmoe-sparse"])
 def test_expert_parallel_matches_single_process(layer_kind, backend):
     mp.spawn(_worker, args=(_rendezvous(), layer_kind, backend), nprocs=WORLD, join=True)

@@ -19,7 +19,7 @@ VENV="$ROOT/.venv"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 REQS=("$TORCH_SPEC" megablocks==0.10.0 stanford-stk==0.7.1 "triton==3.9.0" numpy packaging
-      "pytest>=8" "hypothesis>=6" matplotlib)
+      "pytest>=8" "hypothesis>=6" absl-py matplotlib)
 STAMP="$VENV/.megablocks-ascend-reqs"
 WANT="${REQS[*]} $(cat "$ROOT/pyproject.toml" | cksum)"
 
@@ -35,7 +35,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
     # Python 3.12 and later no longer come with it).
     "$VENV/bin/python" -c "import setuptools" 2>/dev/null || "${pip[@]}" install setuptools wheel
     "${pip[@]}" install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1
-    "${pip[@]}" install "triton==3.9.0" numpy packaging "pytest>=8" "hypothesis>=6" matplotlib
+    "${pip[@]}" install "triton==3.9.0" numpy packaging "pytest>=8" "hypothesis>=6" absl-py matplotlib
     "${pip[@]}" install --no-build-isolation --no-deps -e "$ROOT"
     "$VENV/bin/python" -c "import megablocks_ascend, megablocks; print('bootstrap: megablocks', megablocks.__version__ if hasattr(megablocks, '__version__') else '0.10.0', 'ready')"
     echo "$WANT" > "$STAMP"

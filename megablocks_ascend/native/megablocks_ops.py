@@ -31,9 +31,7 @@ def sort(x: torch.Tensor, end_bit: int, x_out: torch.Tensor, iota_out: torch.Ten
     _check("x", x, 1)
     _check("x_out", x_out, 1, (x.dtype,))
     _check("iota_out", iota_out, 1, (x.dtype,))
-    if x.numel() == 0:
-        return
-    keys = x.long()
+    keys = x.long()  # (no branch on x's size: the sparse dMoE sorts a data-dependent number of blocks)
     if end_bit < torch.iinfo(x.dtype).bits:
         keys = keys & ((1 << end_bit) - 1)
     order = torch.sort(keys, stable=True).indices
@@ -47,18 +45,16 @@ def histogram(x: torch.Tensor, max_val: int) -> torch.Tensor:
         raise ValueError("megablocks_ops.histogram: 'x' must be a 1-D or 2-D integer tensor")
     num_bins = int(max_val)
     rows = x.view(1, -1) if x.ndim == 1 else x
-    out = torch.zeros((rows.shape[0], num_bins), dtype=torch.int32, device=x.device)
-    if rows.numel():
-        values = rows.long()
-        inside = (values >= 0) & (values < num_bins)
-        # Fixed-size scatter-add (no boolean indexing): values outside [0, max_val) land in one
-        # extra bin that is dropped, and the output's size never depends on the data.
-        trash = rows.shape[0] * num_bins
-        flat = values + torch.arange(rows.shape[0], device=x.device)[:, None] * num_bins
-        flat = torch.where(inside, flat, trash).flatten()
-        counts = torch.zeros(trash + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        out.copy_(counts[:trash].view(rows.shape[0], num_bins))
+    values = rows.long()
+    inside = (values >= 0) & (values < num_bins)
+    # Fixed-size scatter-add (no boolean indexing, no branch on the size, which is data-dependent
+    # in the sparse dMoE): values outside [0, max_val) land in one extra bin that is dropped.
+    trash = rows.shape[0] * num_bins
+    flat = values + torch.arange(rows.shape[0], device=x.device)[:, None] * num_bins
+    flat = torch.where(inside, flat, trash).flatten()
+    counts = torch.zeros(trash + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    out = counts[:trash].view(rows.shape[0], num_bins)
     return out.flatten() if x.ndim == 1 else out
 
 
@@ -89,17 +85,17 @@ def indices(padded_bins: torch.Tensor, block_size: int, output_block_rows: int,
     _check("out", out, 1, (torch.int16,))
     if out.numel() != output_block_rows * output_block_columns:
         raise ValueError("megablocks_ops.indices: 'out' must have output_block_rows * output_block_columns elements")
-    if out.numel() == 0:
-        return
+    # No branch on the sizes and no boolean indexing: the sparse dMoE's row count is data-dependent,
+    # and this must trace under torch.compile (empty tensors need no special case).
     block_ends = padded_bins.long() // block_size
     rows = torch.arange(output_block_rows, device=out.device)
     expert = torch.searchsorted(block_ends, rows, right=True)
     cols = torch.arange(output_block_columns, device=out.device)
     values = expert[:, None] * output_block_columns + cols[None, :]
     # Rows past the last expert's blocks are never written by the CUDA kernel; keep them as they are.
-    covered = (expert < padded_bins.numel())[:, None].expand_as(values)
+    covered = (expert < padded_bins.numel())[:, None]
     view = out.view(output_block_rows, output_block_columns)
-    view[covered] = values[covered].to(torch.int16)
+    view.copy_(torch.where(covered, values.to(torch.int16), view))
 
 
 def replicate_forward(x: torch.Tensor, bins: torch.Tensor, out: torch.Tensor) -> None:
