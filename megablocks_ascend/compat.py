@@ -19,6 +19,9 @@ all implement. This module is the only place that knows about the differences:
   (Triton 3.3.1 and triton-ascend 3.2.0 do; Triton 3.9 waits until it benchmarks);
   :class:`RefusingBenchmarker` is what the ``triton-driverless`` patch hands such an
   autotuner instead (see ``patches/triton-driverless.md``).
+* :func:`interpreter_index_broken` tells whether this Triton's interpreter fails to use a
+  scalar as a loop bound or index with this NumPy (Triton 3.3.1 with NumPy >= 2.4), and
+  :func:`interpreter_index` is the conversion newer Triton uses (``patches/triton-interpreter-index.md``).
 """
 
 from __future__ import annotations
@@ -180,3 +183,45 @@ class RefusingBenchmarker:
     def __repr__(self) -> str:
         return f"RefusingBenchmarker({self.kernel!r}, {self.num_configs})"
 
+
+# ------------------------------------------------------------------------------------------
+# The interpreter's scalar-to-int conversion (Triton 3.3.1 with NumPy >= 2.4).
+
+
+def interpreter_index(self) -> int:
+    """``tl.tensor.__index__`` in the interpreter, as Triton 3.9 defines it.
+
+    Interpreted scalars (``tl.program_id(0)``, a ``tl.sum``, a scalar argument) hold a NumPy
+    array of shape ``(1,)``. Triton 3.3.1 converts it with ``int(data)``, which NumPy deprecated
+    in 1.25 and refuses from 2.4 on ("only 0-dimensional arrays can be converted to Python
+    scalars"); ``squeeze()`` first makes it 0-dimensional. An array of more than one element is
+    still refused.
+    """
+    return int(self.handle.data.squeeze())
+
+
+def interpreter_index_broken() -> bool:
+    """Whether the interpreter's ``tl.tensor.__index__`` (which ``range(pid, n, step)`` in a
+    kernel calls) raises on an interpreted scalar with the installed NumPy.
+
+    Checked by running the interpreter's own definition on a stand-in class, so it answers for
+    the Triton and NumPy at hand rather than from version numbers; ``False`` for a Triton whose
+    interpreter defines it elsewhere (Triton 3.9 defines it correctly).
+    """
+    import numpy as np  # noqa: PLC0415
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    define = getattr(interpreter, "_patch_lang_tensor", None)
+    if define is None or list(inspect.signature(define).parameters) != ["tensor"]:
+        return False
+
+    class Probe:
+        pass
+
+    define(Probe)
+    probe = Probe()
+    probe.handle = types.SimpleNamespace(data=np.array([3], dtype=np.int32))
+    try:
+        return Probe.__index__(probe) != 3
+    except TypeError:
+        return True

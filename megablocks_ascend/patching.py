@@ -141,6 +141,23 @@ def _apply_triton_driverless(p: Patch) -> None:
     p.replace(target, __init__)
 
 
+def _apply_triton_interpreter_index(p: Patch) -> None:
+    from megablocks_ascend import compat  # noqa: PLC0415
+    if not compat.interpreter_active() or not compat.interpreter_index_broken():
+        return  # compiled Triton, or an interpreter that converts scalars correctly
+    target = "triton.runtime.interpreter._patch_lang_tensor"
+    owner, attr = _owner(target)
+    original = getattr(owner, attr)
+    _expect_params(target, original, ("tensor",))
+
+    def _patch_lang_tensor(tensor):
+        original(tensor)
+        tensor.__index__ = compat.interpreter_index
+
+    _patch_lang_tensor.__wrapped__ = original
+    p.replace(target, _patch_lang_tensor)
+
+
 def _apply_megablocks_ops(p: Patch) -> None:
     from megablocks_ascend.native import megablocks_ops  # noqa: PLC0415
     if _absent("megablocks_ops"):
@@ -342,11 +359,26 @@ PATCHES: tuple[Patch, ...] = (
         upstream_fix="Device-aware autocast decorators in megablocks.ops.",
         apply=_apply_ops,
     ),
+    Patch(
+        name="triton-interpreter-index",
+        targets=("triton.runtime.interpreter._patch_lang_tensor",),
+        why="Triton 3.3.1's interpreter converts a scalar (a NumPy array of shape (1,)) to an int "
+            "with int(array), which NumPy 2.4 refuses, so every kernel with a loop such as "
+            "range(pid, n, num_programs) fails on CPU tensors: 'only 0-dimensional arrays can be "
+            "converted to Python scalars'.",
+        how="Only with the interpreter on, and only when its own definition fails that conversion: "
+            "the function that sets the interpreter's tl.tensor methods before each launch is "
+            "wrapped to set __index__ to int(data.squeeze()), Triton 3.9's definition. Compiled "
+            "kernels (CUDA, NPU) are not involved.",
+        upstream_fix="None needed in Triton 3.9 (it squeezes); a Triton 3.3.x release would need the "
+                     "same one-line fix.",
+        apply=_apply_triton_interpreter_index,
+    ),
 
 )
 
 # patches that need no MegaBlocks
-_STANDINS = ("triton-driverless", "megablocks-ops-extension", "grouped-gemm")
+_STANDINS = ("triton-driverless", "triton-interpreter-index", "megablocks-ops-extension", "grouped-gemm")
 _installed = False
 
 

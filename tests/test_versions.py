@@ -1,5 +1,5 @@
 """What differs between the version points CI runs (torch 2.13 + Triton 3.9, torch 2.7.1 + Triton
-3.3.1) and the Ascend toolchain without an NPU.
+3.3.1) and the Ascend toolchain without an NPU: the two Triton patches.
 
 Each patch applies only where its Triton fails without it. The tests that say whether it must
 apply ask that Triton itself, in a fresh process without the plugin, so they check the patch's
@@ -12,7 +12,9 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -206,3 +208,62 @@ def test_ascend_toolchain_without_npu_runs_doctor_and_lower_with_megablocks_inst
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert lower.returncode == 0, lower.stdout + lower.stderr
     assert lower.stdout.splitlines()[-1] == "lowered: 3/3"
+
+
+# ---------------------------------------------------------------------------------------------
+# triton-interpreter-index
+
+
+def test_interpreter_index_patch_is_applied_exactly_where_the_interpreter_fails_alone():
+    alone = _run_python("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch, triton, triton.language as tl
+
+        @triton.jit
+        def count(out, n):
+            for i in range(tl.program_id(0), n, tl.num_programs(0)):
+                tl.store(out + i, i)
+
+        out = torch.zeros(5, dtype=torch.int32)
+        try:
+            count[(2,)](out, 5)
+            print("works", out.tolist())
+        except Exception as e:
+            print("fails", repr(e))
+    """)
+    assert alone.returncode == 0, alone.stderr
+    fails = alone.stdout.startswith("fails")
+    if fails:
+        assert "only 0-dimensional arrays can be converted to Python scalars" in alone.stdout
+    else:
+        assert "works [0, 1, 2, 3, 4]" in alone.stdout
+    applied = bool(_patch("triton-interpreter-index").originals)
+    print(f"triton {triton.__version__}, numpy {np.__version__}: interpreter alone "
+          f"{'fails' if fails else 'works'}; triton-interpreter-index {'applied' if applied else 'not applied'}")
+    assert applied == fails
+
+
+def test_interpreter_index_converts_one_element_arrays_and_refuses_larger_ones():
+    def scalar(data):
+        return types.SimpleNamespace(handle=types.SimpleNamespace(data=data))
+
+    assert compat.interpreter_index(scalar(np.array([5], dtype=np.int32))) == 5
+    assert compat.interpreter_index(scalar(np.array(6, dtype=np.int64))) == 6
+    with pytest.raises(TypeError):
+        compat.interpreter_index(scalar(np.array([1, 2], dtype=np.int32)))
+
+
+@triton.jit
+def _walk_sum(counts, out, BLOCK: tl.constexpr):
+    # a loop whose bounds are all interpreted scalars: program id, a reduction, program count
+    total = tl.sum(tl.load(counts + tl.arange(0, BLOCK)), axis=0)
+    for i in range(tl.program_id(0), total, tl.num_programs(0)):
+        tl.store(out + i, i * 2)
+
+
+def test_loops_bounded_by_computed_scalars_run_in_this_interpreter():
+    counts = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    out = torch.full((12,), -1, dtype=torch.int32)
+    _walk_sum[(3,)](counts, out, BLOCK=4)
+    assert out.tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, -1, -1]
