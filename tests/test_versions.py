@@ -1,5 +1,5 @@
 """What differs between the version points CI runs (torch 2.13 + Triton 3.9, torch 2.7.1 + Triton
-3.3.1) and the Ascend toolchain without an NPU: the two Triton patches.
+3.3.1) and the Ascend toolchain without an NPU: the two Triton patches and resolve-dtensor.
 
 Each patch applies only where its Triton fails without it. The tests that say whether it must
 apply ask that Triton itself, in a fresh process without the plugin, so they check the patch's
@@ -267,3 +267,33 @@ def test_loops_bounded_by_computed_scalars_run_in_this_interpreter():
     out = torch.full((12,), -1, dtype=torch.int32)
     _walk_sum[(3,)](counts, out, BLOCK=4)
     assert out.tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, -1, -1]
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve-dtensor
+
+
+def test_resolve_dtensor_is_one_function_that_unwraps_dtensors_and_passes_tensors_through():
+    import megablocks.layers.glu as glu
+    import megablocks.layers.mlp as mlp
+    assert glu.resolve_dtensor is mlp.resolve_dtensor
+    assert mlp.resolve_dtensor.__wrapped__ is _patch("resolve-dtensor").originals[
+        "megablocks.layers.mlp.resolve_dtensor"]
+    w = torch.randn(3, 4)
+    assert mlp.resolve_dtensor(w) is w and mlp.resolve_dtensor.__wrapped__(w) is w
+    r = _run_python("""
+        import os, torch, torch.distributed as dist
+        import megablocks_ascend
+        import megablocks.layers.mlp as mlp
+        from torch.distributed._tensor import DTensor, Replicate
+        from torch.distributed.device_mesh import init_device_mesh
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        local = torch.randn(3, 4)
+        d = DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Replicate()])
+        ours, upstream = mlp.resolve_dtensor(d), mlp.resolve_dtensor.__wrapped__(d)
+        print(type(ours).__name__, type(upstream).__name__, torch.equal(ours, local), torch.equal(upstream, local))
+        dist.destroy_process_group()
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["Tensor", "Tensor", "True", "True"]
