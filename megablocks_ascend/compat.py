@@ -20,7 +20,7 @@ all implement. This module is the only place that knows about the differences:
   :class:`RefusingBenchmarker` is what the ``triton-driverless`` patch hands such an
   autotuner instead (see ``patches/triton-driverless.md``).
 * :func:`interpreter_index_broken` tells whether this Triton's interpreter fails to use a
-  scalar as a loop bound or index with this NumPy (Triton 3.3.1 with NumPy >= 2.4), and
+  scalar as a loop bound or index with this NumPy (Triton 3.3.1 and 3.6.0 with NumPy >= 2.4), and
   :func:`interpreter_index` is the conversion newer Triton uses (``patches/triton-interpreter-index.md``).
 """
 
@@ -192,33 +192,52 @@ def interpreter_index(self) -> int:
     """``tl.tensor.__index__`` in the interpreter, as Triton 3.9 defines it.
 
     Interpreted scalars (``tl.program_id(0)``, a ``tl.sum``, a scalar argument) hold a NumPy
-    array of shape ``(1,)``. Triton 3.3.1 converts it with ``int(data)``, which NumPy deprecated
-    in 1.25 and refuses from 2.4 on ("only 0-dimensional arrays can be converted to Python
-    scalars"); ``squeeze()`` first makes it 0-dimensional. An array of more than one element is
-    still refused.
+    array of shape ``(1,)``. Triton 3.3.1 and 3.6.0 convert it with ``int(data)``, which NumPy
+    deprecated in 1.25 and refuses from 2.4 on ("only 0-dimensional arrays can be converted to
+    Python scalars"); ``squeeze()`` first makes it 0-dimensional. An array of more than one
+    element is still refused.
     """
     return int(self.handle.data.squeeze())
+
+
+# The two forms of the interpreter function that defines tl.tensor's methods before each launch:
+# Triton 3.3.1 sets them directly; 3.6 and 3.9 set them through a scope that restores them after.
+INTERPRETER_TENSOR_FORMS = (("tensor",), ("tensor", "scope"))
+
+
+class _SetAttrScope:
+    """Stands in for the interpreter's patch scope (``set_attr`` only) in the probe below."""
+
+    def set_attr(self, obj, name, value):
+        setattr(obj, name, value)
 
 
 def interpreter_index_broken() -> bool:
     """Whether the interpreter's ``tl.tensor.__index__`` (which ``range(pid, n, step)`` in a
     kernel calls) raises on an interpreted scalar with the installed NumPy.
 
-    Checked by running the interpreter's own definition on a stand-in class, so it answers for
-    the Triton and NumPy at hand rather than from version numbers; ``False`` for a Triton whose
-    interpreter defines it elsewhere (Triton 3.9 defines it correctly).
+    Checked by running the interpreter's own ``_patch_lang_tensor`` on a stand-in class and
+    converting a shape-``(1,)`` array with the ``__index__`` it defines, so it answers for the
+    Triton and NumPy at hand rather than from version numbers (Triton 3.3.1 and 3.6.0 with NumPy
+    2.4: broken; Triton 3.9: not). ``False`` for an interpreter organised some other way.
     """
     import numpy as np  # noqa: PLC0415
     from triton.runtime import interpreter  # noqa: PLC0415
 
     define = getattr(interpreter, "_patch_lang_tensor", None)
-    if define is None or list(inspect.signature(define).parameters) != ["tensor"]:
+    if define is None:
+        return False
+    try:
+        params = tuple(inspect.signature(define).parameters)
+    except (TypeError, ValueError):
+        return False
+    if params not in INTERPRETER_TENSOR_FORMS:
         return False
 
     class Probe:
         pass
 
-    define(Probe)
+    define(Probe, *([_SetAttrScope()] if len(params) == 2 else []))
     probe = Probe()
     probe.handle = types.SimpleNamespace(data=np.array([3], dtype=np.int32))
     try:

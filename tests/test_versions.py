@@ -254,6 +254,66 @@ def test_interpreter_index_converts_one_element_arrays_and_refuses_larger_ones()
         compat.interpreter_index(scalar(np.array([1, 2], dtype=np.int32)))
 
 
+@pytest.mark.parametrize("form", ["direct", "scope"])
+def test_interpreter_index_patch_handles_both_forms_of_the_interpreter(monkeypatch, form):
+    """Triton 3.3.1 sets tl.tensor's methods directly; 3.6 through a scope that restores them after
+    each launch (seen on the H200: the same failure). A stand-in of each form, with the broken
+    definition, is detected and fixed, and the scope still restores what it set."""
+    from triton.runtime import interpreter
+
+    class Scope:
+        def __init__(self):
+            self.changes = []
+
+        def set_attr(self, obj, name, value):
+            self.changes.append((obj, name, obj.__dict__.get(name)))
+            setattr(obj, name, value)
+
+        def restore(self):
+            while self.changes:
+                obj, name, value = self.changes.pop()
+                setattr(obj, name, value)
+
+    def broken(self):
+        return int(self.handle.data)  # what 3.3.1 and 3.6.0 define
+
+    if form == "direct":
+        def fake(tensor):
+            tensor.__index__ = broken
+    else:
+        def fake(tensor, scope):
+            scope.set_attr(tensor, "__index__", broken)
+
+    class Tensor:
+        __index__ = None
+
+    patch = _patch("triton-interpreter-index")
+    was_applied = bool(patch.originals)
+    patch.revert()
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", fake)
+    monkeypatch.setattr(compat, "interpreter_active", lambda: True)
+    try:
+        assert compat.interpreter_index_broken() == (np.lib.NumpyVersion(np.__version__) >= "2.4.0")
+        monkeypatch.setattr(compat, "interpreter_index_broken", lambda: True)
+        patch.apply(patch)
+        assert interpreter._patch_lang_tensor.__wrapped__ is fake
+        scope = Scope()
+        interpreter._patch_lang_tensor(Tensor, *([scope] if form == "scope" else []))
+        assert Tensor.__index__ is compat.interpreter_index
+        probe = Tensor()
+        probe.handle = types.SimpleNamespace(data=np.array([4], dtype=np.int32))
+        assert range(10)[probe] == 4
+        if form == "scope":
+            scope.restore()
+            assert Tensor.__index__ is None  # as before the launch
+    finally:
+        patch.revert()
+        monkeypatch.undo()
+        patch.apply(patch)
+        patch.applied = True
+    assert bool(patch.originals) == was_applied
+
+
 @triton.jit
 def _walk_sum(counts, out, BLOCK: tl.constexpr):
     # a loop whose bounds are all interpreted scalars: program id, a reduction, program count
