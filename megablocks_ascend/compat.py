@@ -185,7 +185,7 @@ class RefusingBenchmarker:
 
 
 # ------------------------------------------------------------------------------------------
-# The interpreter's scalar-to-int conversion (Triton 3.3.1 with NumPy >= 2.4).
+# The interpreter's scalar-to-int conversion (Triton 3.3.1 and 3.6.0 with NumPy >= 2.4).
 
 
 def interpreter_index(self) -> int:
