@@ -24,6 +24,11 @@ as it would on an accelerator. That is what makes the check meaningful on CPU: M
 
 The Triton interpreter stands in for the device on CPU; reads made from inside it (it copies
 its arguments through numpy) are device work, not host syncs, and are not counted.
+
+A ``torch.library`` custom op runs its Python implementation with both kinds of modes switched
+off, which would hide whatever it does; the detector runs such an implementation itself, under
+fresh modes of its own, and records a custom op whose implementation it cannot find as an event
+(so a blind spot fails a test instead of passing it).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ _DATA_DEPENDENT = {
     _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.bincount.default,
     _aten.equal.default, _aten.is_nonzero.default, _aten.nonzero_static.default,
 }
+
+_BUILTIN_NAMESPACES = ("aten", "prim", "prims")
 
 _HERE = os.path.abspath(__file__)
 _SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep,)
@@ -103,10 +110,23 @@ class HostSyncs:
         class _Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
+                if func.namespace not in _BUILTIN_NAMESPACES:
+                    return outer._custom(func, args, kwargs)
                 outer._dispatch(func, args, kwargs)
                 return func(*args, **kwargs)
 
         self._modes = (_Functions(), _Dispatch())
+
+    def _custom(self, func, args, kwargs):
+        """Run a custom op's own implementation under a fresh detector sharing these events."""
+        opdef = torch._library.custom_ops.OPDEFS.get(f"{func.namespace}::{func._opname}")
+        if opdef is None:
+            self._add(f"custom op {func} (its implementation could not be watched)")
+            return func(*args, **kwargs)
+        inner = HostSyncs(self.cpu_is_device)
+        inner.events = self.events
+        with inner:
+            return opdef._init_fn(*args, **kwargs)
 
     # -- bookkeeping
 
