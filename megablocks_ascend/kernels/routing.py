@@ -583,8 +583,9 @@ def clear_route_maps() -> None:
     _route_map_token = object()
 
 
-def _versions(*tensors):
-    return tuple((t._version, t.shape[0]) if t is not None else None for t in tensors)
+def _versions(indices, bins, padded_bins):
+    return (indices._version, indices.shape[0], bins._version, bins.shape[0],
+            None if padded_bins is None else (padded_bins._version, padded_bins.shape[0]))
 
 
 def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
@@ -596,7 +597,7 @@ def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, n
         return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                                   block_m=block_m, num_programs=num_programs)
 
-    if any(t is not None and t.is_inference() for t in (indices, bins, padded_bins)) \
+    if indices.is_inference() or bins.is_inference() or (padded_bins is not None and padded_bins.is_inference()) \
             or devices.capturing(indices.device):
         # Inference tensors have no version counter to tell an in-place change; a capture keeps
         # its own launches (see above).

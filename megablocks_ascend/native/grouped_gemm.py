@@ -205,11 +205,16 @@ def _device_sizes(batch_sizes, a) -> bool:
     return batch_sizes.device == a.device
 
 
+_envs = None
+
+
 def _value_checks_enabled() -> bool:
-    # MEGABLOCKS_ASCEND_CHECKS (megablocks_ascend/envs.py lists it). Imported here, not at the
-    # top, so that this module can still be loaded on its own.
-    from megablocks_ascend import envs  # noqa: PLC0415
-    return envs.checks_enabled()
+    # MEGABLOCKS_ASCEND_CHECKS (megablocks_ascend/envs.py lists it). Imported on first use, not at
+    # the top, so that this module can still be loaded on its own.
+    global _envs
+    if _envs is None:
+        from megablocks_ascend import envs as _envs  # noqa: PLC0415
+    return _envs.checks_enabled()
 
 
 def _output_shape(a, b, n_groups, trans_a, trans_b):
@@ -222,6 +227,7 @@ def _output_shape(a, b, n_groups, trans_a, trans_b):
 # Dispatch
 # --------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _torch_version() -> tuple:
     m = re.match(r'^(\d+)\.(\d+)', torch.__version__)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
@@ -259,6 +265,7 @@ def _cuda_fast_grouped_mm(device_index: int) -> bool:
 _CPU_GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_supports_grouped_mm() -> bool:
     """torch._grouped_mm has a CPU kernel from torch 2.9 (2.8 defines the op for CUDA only).
 
