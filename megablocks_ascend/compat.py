@@ -14,13 +14,24 @@ all implement. This module is the only place that knows about the differences:
   neither. Our kernels do not need them today (2-D pointer tiles lower to per-row
   DMA on Ascend, see ``docs/notes/ascend-lowering.md``); the resolver exists so a
   kernel that does never imports a triton-ascend name directly.
+* :func:`active_drivers` and :func:`autotuner_needs_driver` tell whether Triton has a
+  driver here and whether its ``triton.autotune`` asks for one when a kernel is decorated
+  (Triton 3.3.1 and triton-ascend 3.2.0 do; Triton 3.9 waits until it benchmarks);
+  :class:`RefusingBenchmarker` is what the ``triton-driverless`` patch hands such an
+  autotuner instead (see ``patches/triton-driverless.md``).
+* :func:`interpreter_index_broken` tells whether this Triton's interpreter fails to use a
+  scalar as a loop bound or index with this NumPy (Triton 3.3.1 with NumPy >= 2.4), and
+  :func:`interpreter_index` is the conversion newer Triton uses (``patches/triton-interpreter-index.md``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import types
+import warnings
 from typing import Any, Callable
 
 import triton
@@ -117,3 +128,108 @@ class Kernel:
 def kernel(fn: Callable) -> Kernel:
     """Decorator: ``@kernel`` in place of ``@triton.jit``."""
     return Kernel(fn)
+
+
+# ------------------------------------------------------------------------------------------
+# Machines where Triton has no driver (a CPU machine; triton-ascend without an NPU).
+
+
+class NoTritonDriver(RuntimeError):
+    """Triton has no active driver here, and something asked it to time a kernel."""
+
+
+def active_drivers() -> list[str]:
+    """Names of the Triton backends whose driver is active on this machine (what Triton's own
+    driver lookup counts: it needs exactly one). Empty on a CPU machine, and with triton-ascend
+    where CANN's compiler is missing; the Triton interpreter is not a driver."""
+    from triton.backends import backends  # noqa: PLC0415
+    found = []
+    for name, backend in backends.items():
+        with warnings.catch_warnings():  # triton-ascend warns when it finds no CANN compiler
+            warnings.simplefilter("ignore")
+            try:
+                active = bool(backend.driver.is_active())
+            except Exception:  # noqa: BLE001 - a driver that cannot even tell is not active
+                active = False
+        if active:
+            found.append(name)
+    return found
+
+
+def autotuner_needs_driver() -> bool:
+    """Whether ``triton.autotune`` asks the driver for a benchmarker when it decorates a kernel.
+
+    Triton 3.3.1 and triton-ascend 3.2.0 call ``driver.active.get_benchmarker()`` in
+    ``Autotuner.__init__`` unless a ``do_bench`` is given; Triton 3.9 makes ``do_bench`` a
+    (cached) property that asks only when it benchmarks.
+    """
+    from triton.runtime.autotuner import Autotuner  # noqa: PLC0415
+    lazy = inspect.getattr_static(Autotuner, "do_bench", None)
+    return not isinstance(lazy, (property, functools.cached_property))
+
+
+class RefusingBenchmarker:
+    """The ``do_bench`` given to an autotuner on a machine without a Triton driver.
+
+    It never times anything: an autotuner with one config never calls it, and one with several
+    that is asked to choose raises :class:`NoTritonDriver` before any of its configs runs.
+    """
+
+    def __init__(self, kernel: str, num_configs: int):
+        self.kernel = kernel
+        self.num_configs = num_configs
+
+    def __call__(self, kernel_call, quantiles=None, **kwargs):
+        del kernel_call, quantiles, kwargs
+        raise NoTritonDriver(
+            f"triton.autotune of {self.kernel} was asked to time its {self.num_configs} configs, but "
+            "Triton has no active driver on this machine (no CUDA GPU, no Ascend NPU with CANN), so "
+            "there is nothing to time them on. Run it where Triton has a device; in the Triton "
+            "interpreter, narrow the autotuner to one config (`kernel.configs = kernel.configs[:1]`). "
+            "(megablocks-ascend patch triton-driverless; see patches/triton-driverless.md)")
+
+    def __repr__(self) -> str:
+        return f"RefusingBenchmarker({self.kernel!r}, {self.num_configs})"
+
+
+# ------------------------------------------------------------------------------------------
+# The interpreter's scalar-to-int conversion (Triton 3.3.1 with NumPy >= 2.4).
+
+
+def interpreter_index(self) -> int:
+    """``tl.tensor.__index__`` in the interpreter, as Triton 3.9 defines it.
+
+    Interpreted scalars (``tl.program_id(0)``, a ``tl.sum``, a scalar argument) hold a NumPy
+    array of shape ``(1,)``. Triton 3.3.1 converts it with ``int(data)``, which NumPy deprecated
+    in 1.25 and refuses from 2.4 on ("only 0-dimensional arrays can be converted to Python
+    scalars"); ``squeeze()`` first makes it 0-dimensional. An array of more than one element is
+    still refused.
+    """
+    return int(self.handle.data.squeeze())
+
+
+def interpreter_index_broken() -> bool:
+    """Whether the interpreter's ``tl.tensor.__index__`` (which ``range(pid, n, step)`` in a
+    kernel calls) raises on an interpreted scalar with the installed NumPy.
+
+    Checked by running the interpreter's own definition on a stand-in class, so it answers for
+    the Triton and NumPy at hand rather than from version numbers; ``False`` for a Triton whose
+    interpreter defines it elsewhere (Triton 3.9 defines it correctly).
+    """
+    import numpy as np  # noqa: PLC0415
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    define = getattr(interpreter, "_patch_lang_tensor", None)
+    if define is None or list(inspect.signature(define).parameters) != ["tensor"]:
+        return False
+
+    class Probe:
+        pass
+
+    define(Probe)
+    probe = Probe()
+    probe.handle = types.SimpleNamespace(data=np.array([3], dtype=np.int32))
+    try:
+        return Probe.__index__(probe) != 3
+    except TypeError:
+        return True

@@ -29,7 +29,12 @@ def report() -> list[str]:
 
     flavour = "triton-ascend" if compat.is_triton_ascend() else "standard triton"
     interp = compat.interpreter_active()
-    lines += ["", f"triton: {flavour}; interpreter {'on' if interp else 'off'}"]
+    drivers = compat.active_drivers()
+    lines += ["", f"triton: {flavour}; interpreter {'on' if interp else 'off'}; "
+                  f"active driver: {', '.join(drivers) if drivers else 'none'}"]
+    if any(p.name == "triton-driverless" and p.originals for p in patching.PATCHES):
+        lines.append("  no driver: autotuners with one config run, those that must time several "
+                     "raise NoTritonDriver (patch triton-driverless)")
 
     npu = getattr(torch, "npu", None)
     devices = {"cpu": True, "cuda": torch.cuda.is_available(), "npu": bool(npu and npu.is_available())}

@@ -112,6 +112,56 @@ def _absent(module: str) -> bool:
 # The patches.
 
 
+def _kernel_name(fn: Any) -> str:
+    while not inspect.isfunction(fn) and hasattr(fn, "fn"):  # JITFunction, Heuristics...
+        fn = fn.fn
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}.{name}" if module and name else repr(fn)
+
+
+def _apply_triton_driverless(p: Patch) -> None:
+    from megablocks_ascend import compat  # noqa: PLC0415
+    if not compat.autotuner_needs_driver() or compat.active_drivers():
+        return  # a driver is there, or this Triton asks for one only when it benchmarks
+    target = "triton.runtime.autotuner:Autotuner.__init__"
+    owner, attr = _owner(target)
+    original = owner.__dict__[attr]
+    params = list(inspect.signature(original).parameters)[1:]  # without self
+    for name in ("fn", "configs", "do_bench"):
+        if name not in params:
+            raise PatchError(f"{target} has no parameter {name!r} (it has {tuple(params)}); this "
+                             "Triton version is not supported by this megablocks-ascend version")
+    fn_at, configs_at, do_bench_at = (params.index(n) for n in ("fn", "configs", "do_bench"))
+
+    def __init__(self, *args, **kwargs):
+        if len(args) <= do_bench_at and kwargs.get("do_bench") is None:
+            fn = args[fn_at] if len(args) > fn_at else kwargs.get("fn")
+            configs = args[configs_at] if len(args) > configs_at else kwargs.get("configs")
+            kwargs["do_bench"] = compat.RefusingBenchmarker(_kernel_name(fn), len(configs or ()) or 1)
+        original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    __init__.__signature__ = inspect.signature(original)
+    p.replace(target, __init__)
+
+
+def _apply_triton_interpreter_index(p: Patch) -> None:
+    from megablocks_ascend import compat  # noqa: PLC0415
+    if not compat.interpreter_active() or not compat.interpreter_index_broken():
+        return  # compiled Triton, or an interpreter that converts scalars correctly
+    target = "triton.runtime.interpreter._patch_lang_tensor"
+    owner, attr = _owner(target)
+    original = getattr(owner, attr)
+    _expect_params(target, original, ("tensor",))
+
+    def _patch_lang_tensor(tensor):
+        original(tensor)
+        tensor.__index__ = compat.interpreter_index
+
+    _patch_lang_tensor.__wrapped__ = original
+    p.replace(target, _patch_lang_tensor)
+
+
 def _apply_megablocks_ops(p: Patch) -> None:
     from megablocks_ascend.native import megablocks_ops  # noqa: PLC0415
     if _absent("megablocks_ops"):
@@ -197,6 +247,39 @@ AUTOCAST_FUNCTIONS = (
     "megablocks.layers.mlp:MemoryOptimizedGroupedMLP",
     "megablocks.layers.glu:MemoryOptimizedGroupedGLU",
 )
+
+
+def _dtensor_class() -> type | None:
+    """``DTensor``, the class ``resolve_dtensor`` unwraps; ``None`` in a torch without
+    ``torch.distributed``, where no DTensor can exist."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed._tensor import DTensor  # noqa: PLC0415  (upstream's import)
+    return DTensor
+
+
+def _apply_resolve_dtensor(p: Patch) -> None:
+    import megablocks.layers.glu as glu  # noqa: PLC0415
+    import megablocks.layers.mlp as mlp  # noqa: PLC0415
+    upstream = mlp.resolve_dtensor
+    _expect_params("megablocks.layers.mlp.resolve_dtensor", upstream, ("weight",))
+    if getattr(glu, "resolve_dtensor", None) is not upstream:
+        raise PatchError("megablocks.layers.glu.resolve_dtensor is no longer the function imported "
+                         "from megablocks.layers.mlp")
+    dtensor = _dtensor_class()  # upstream asks on every call whether torch >= 2.0; it is
+
+    def resolve_dtensor(weight: torch.Tensor):
+        if dtensor is not None and isinstance(weight, dtensor):
+            return weight.to_local()
+        return weight
+
+    resolve_dtensor.__wrapped__ = upstream
+    resolve_dtensor.__doc__ = "megablocks.layers.mlp.resolve_dtensor, its torch version check made once."
+    for target in RESOLVE_DTENSOR:
+        p.replace(target, resolve_dtensor)
+
+
+RESOLVE_DTENSOR = ("megablocks.layers.mlp.resolve_dtensor", "megablocks.layers.glu.resolve_dtensor")
 
 
 def _apply_kernels(p: Patch) -> None:
@@ -356,6 +439,22 @@ def _apply_grouped_mlp_device_sizes(p: Patch) -> None:
 
 
 PATCHES: tuple[Patch, ...] = (
+    # First: every later patch imports MegaBlocks, which imports stk, whose kernels are autotuned.
+    Patch(
+        name="triton-driverless",
+        targets=("triton.runtime.autotuner:Autotuner.__init__",),
+        why="Triton 3.3.1 and triton-ascend 3.2.0 ask the driver for a benchmarker when "
+            "triton.autotune decorates a kernel, so on a machine where Triton has no driver (CPU "
+            "only; triton-ascend without an NPU) importing stk, hence MegaBlocks, raises "
+            "'0 active drivers'.",
+        how="Only where Triton has no active driver and its Autotuner asks for the benchmarker at "
+            "construction: Autotuner.__init__ is wrapped to pass a RefusingBenchmarker as do_bench. "
+            "An autotuner with one config never calls it and runs; one asked to time several "
+            "configs raises NoTritonDriver before any of them runs. Nothing pretends a device exists.",
+        upstream_fix="Ask the driver for the benchmarker when benchmarking, as Triton 3.9 does "
+                     "(triton-ascend: rebase on such a Triton).",
+        apply=_apply_triton_driverless,
+    ),
     Patch(
         name="megablocks-ops-extension",
         targets=("sys.modules['megablocks_ops']",),
@@ -424,6 +523,35 @@ PATCHES: tuple[Patch, ...] = (
         apply=_apply_ops,
     ),
     Patch(
+        name="triton-interpreter-index",
+        targets=("triton.runtime.interpreter._patch_lang_tensor",),
+        why="Triton 3.3.1's interpreter converts a scalar (a NumPy array of shape (1,)) to an int "
+            "with int(array), which NumPy 2.4 refuses, so every kernel with a loop such as "
+            "range(pid, n, num_programs) fails on CPU tensors: 'only 0-dimensional arrays can be "
+            "converted to Python scalars'.",
+        how="Only with the interpreter on, and only when its own definition fails that conversion: "
+            "the function that sets the interpreter's tl.tensor methods before each launch is "
+            "wrapped to set __index__ to int(data.squeeze()), Triton 3.9's definition. Compiled "
+            "kernels (CUDA, NPU) are not involved.",
+        upstream_fix="None needed in Triton 3.9 (it squeezes); a Triton 3.3.x release would need the "
+                     "same one-line fix.",
+        apply=_apply_triton_interpreter_index,
+    ),
+    Patch(
+        name="resolve-dtensor",
+        targets=RESOLVE_DTENSOR,
+        why="resolve_dtensor parses torch.__version__ with packaging on every expert-MLP forward; "
+            "dynamo cannot trace packaging's Version on torch 2.7 or 2.11, so torch.compile of an "
+            "unchanged MoE or dMoE fails there, whatever backend serves the routing.",
+        how="Both names (glu imports it from mlp) are replaced by one function that does what "
+            "upstream does on every torch >= 2.0 (the only ones MegaBlocks 0.10.0 runs on): unwrap a "
+            "DTensor to its local tensor, return anything else unchanged. DTensor is looked up once, "
+            "at install.",
+        upstream_fix="Decide the version check once at import (or drop it: MegaBlocks needs "
+                     "torch >= 2.0 anyway).",
+        apply=_apply_resolve_dtensor,
+    ),
+    Patch(
         name="grouped-mlp-device-sizes",
         targets=tuple(GROUPED_FORWARDS),
         why="GroupedMLP.forward and GroupedGLU.forward copy tokens_per_expert to the host on every "
@@ -442,7 +570,8 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-_STANDINS = ("megablocks-ops-extension", "grouped-gemm")
+# patches that need no MegaBlocks
+_STANDINS = ("triton-driverless", "triton-interpreter-index", "megablocks-ops-extension", "grouped-gemm")
 _installed = False
 
 

@@ -8,6 +8,15 @@ import megablocks_ascend
 from megablocks_ascend import backends, library
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: dynamo remembers frames it gave up on, and the recompile
+    limit counts compilations across tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _routing(tokens=8, experts=3, top_k=2):
     top = torch.randint(0, experts, (tokens * top_k,), dtype=torch.int32)
     bin_ids, indices = torch.sort(top, stable=True)
@@ -65,30 +74,95 @@ def test_ops_compile_fullgraph_forward_and_backward(layout):
     torch.testing.assert_close(grads, (x.grad, w.grad))
 
 
-@pytest.mark.parametrize("layer_name", ["MoE", "dMoE"])
-def test_unchanged_layer_compiles_as_one_graph_forward_and_backward(layer_name):
-    """MegaBlocks' own layers, with our routing ops, megablocks_ops and grouped_gemm stand-ins,
-    compile with fullgraph=True (no graph break anywhere) and match eager, gradients included."""
+# The layer setups compiled below: an id, the layer class and what differs from BASE_ARGS. To cover
+# a new setup (dMoE with mlp_impl="sparse" once it runs off CUDA, say), add a line.
+BASE_ARGS = dict(hidden_size=16, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2, mlp_impl="grouped",
+                 fp16=False, bf16=False, moe_loss_weight=0.0)
+LAYER_CONFIGS = {
+    "MoE": ("MoE", {}),
+    "MoE-top1": ("MoE", dict(moe_top_k=1)),
+    "dMoE-grouped-mlp": ("dMoE", dict(mlp_type="mlp")),
+    "dMoE-grouped-glu": ("dMoE", dict(mlp_type="glu")),
+    "dMoE-grouped-glu-bf16": ("dMoE", dict(mlp_type="glu", bf16=True)),
+}
+# Every setup with our kernels; the torch backend on one setup per layer (the routing ops reach the
+# graph through the same custom ops whichever backend serves them).
+CASES = [pytest.param(name, "ascend", id=f"{name}-ascend") for name in LAYER_CONFIGS] + [
+    pytest.param(name, "torch", id=f"{name}-torch") for name in ("MoE", "dMoE-grouped-glu")]
+# memory_optimized_mlp=True compiles, but not as one graph: upstream's MemoryOptimizedGroupedMLP /
+# GroupedGLU backward recomputes the activation by setting requires_grad on a saved tensor and
+# running autograd inside backward, which dynamo refuses ("setattr() on Tensor.requires_grad").
+MEMORY_OPTIMIZED = {
+    "dMoE-grouped-mlp-memory-optimized": ("dMoE", dict(mlp_type="mlp", memory_optimized_mlp=True)),
+    "dMoE-grouped-glu-memory-optimized": ("dMoE", dict(mlp_type="glu", memory_optimized_mlp=True)),
+}
+
+
+def _layer(name):
     from megablocks.layers.arguments import Arguments
     from megablocks.layers.dmoe import dMoE
-    from megablocks.layers.moe import MoE, clear_load_balancing_loss
+    from megablocks.layers.moe import MoE
 
-    args = Arguments(hidden_size=16, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2,
-                     mlp_impl="grouped", fp16=False, bf16=False, moe_loss_weight=0.0)
-    layer = {"MoE": MoE, "dMoE": dMoE}[layer_name](args)
-    x = torch.randn(4, 2, 16)
+    cls, overrides = {**LAYER_CONFIGS, **MEMORY_OPTIMIZED}[name]
+    args = Arguments(**{**BASE_ARGS, **overrides})
+    return {"MoE": MoE, "dMoE": dMoE}[cls](args), args
 
-    def step(module, inp):
-        inp = inp.clone().requires_grad_()
-        out, bias = module(inp)
-        (out + bias).square().sum().backward()
-        grads = [p.grad.clone() for p in module.parameters()]
-        module.zero_grad(set_to_none=True)
-        return out.detach(), inp.grad, grads
 
-    with megablocks_ascend.use_backend("ascend"), megablocks_ascend.trace() as calls:
-        compiled = step(torch.compile(layer, fullgraph=True, backend="aot_eager"), x)
-        eager = step(layer, x)
+def _step(module, inp):
+    inp = inp.clone().requires_grad_()
+    out, bias = module(inp)
+    loss = out.float().square().sum() + (bias.float().square().sum() if bias is not None else 0)
+    loss.backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return out.detach(), inp.grad, grads
+
+
+@pytest.mark.parametrize("config, backend", CASES)
+def test_unchanged_layer_compiles_as_one_graph_forward_and_backward(config, backend):
+    """MegaBlocks' own layers, with our routing ops, megablocks_ops and grouped_gemm stand-ins,
+    compile with fullgraph=True (no graph break anywhere) and match eager, gradients included,
+    on every torch CI runs (torch 2.7 needs the resolve-dtensor patch)."""
+    from megablocks.layers.moe import clear_load_balancing_loss
+
+    layer, args = _layer(config)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    x = torch.randn(4, 2, 16, dtype=dtype)
+    with megablocks_ascend.use_backend(backend), megablocks_ascend.trace() as calls:
+        compiled = _step(torch.compile(layer, fullgraph=True, backend="aot_eager"), x)
+        eager = _step(layer, x)
     clear_load_balancing_loss()
-    assert {c.backend for c in calls} == {"ascend"}
+    assert calls and {c.backend for c in calls} == {backend}
+    assert compiled[0].dtype == dtype and all(g.dtype == dtype for g in compiled[2])
+    torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("config", list(MEMORY_OPTIMIZED))
+def test_memory_optimized_mlp_compiles_with_a_graph_break_in_upstreams_backward(config):
+    from megablocks.layers.moe import clear_load_balancing_loss
+
+    layer, _ = _layer(config)
+    x = torch.randn(4, 2, 16)
+    with megablocks_ascend.use_backend("ascend"):
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="requires_grad"):
+            _step(torch.compile(layer, fullgraph=True, backend="aot_eager"), x)
+        torch._dynamo.reset()
+        compiled = _step(torch.compile(layer, backend="aot_eager"), x)
+        eager = _step(layer, x)
+    clear_load_balancing_loss()
+    torch.testing.assert_close(compiled, eager)
+
+
+def test_dmoe_compiles_with_inductor_forward_and_backward():
+    """The default torch.compile backend, once (a C++ build on CPU takes most of a minute): inductor
+    generates code around our routing ops, which it sees as opaque custom ops."""
+    from megablocks.layers.moe import clear_load_balancing_loss
+
+    layer, _ = _layer("dMoE-grouped-glu")
+    x = torch.randn(4, 2, 16)
+    with megablocks_ascend.use_backend("ascend"), megablocks_ascend.trace() as calls:
+        compiled = _step(torch.compile(layer, fullgraph=True), x)
+        eager = _step(layer, x)
+    clear_load_balancing_loss()
+    assert calls and {c.backend for c in calls} == {"ascend"}
     torch.testing.assert_close(compiled, eager)

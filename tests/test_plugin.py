@@ -130,11 +130,16 @@ def test_fresh_process_cpu_machine_runs_ascend_without_any_setting():
 
 
 def test_megablocks_imported_first_fails_then_plugin_repairs_it():
+    # Where Triton has no driver and asks for one when stk decorates its kernels (Triton 3.3.1),
+    # stk fails first; elsewhere MegaBlocks' missing CUDA extension does.
+    driverless = bool([p for p in patching.PATCHES if p.name == "triton-driverless"][0].originals)
+    first_error = ("RuntimeError: 0 active drivers" if driverless
+                   else "ModuleNotFoundError: No module named 'megablocks_ops'")
     r = _run_python("""
         try:
             import megablocks
-        except ModuleNotFoundError as e:
-            print("upstream alone:", e)
+        except (ModuleNotFoundError, RuntimeError) as e:
+            print(f"upstream alone: {type(e).__name__}: {e}")
         import megablocks_ascend
         import megablocks
         from megablocks import grouped_gemm_util
@@ -144,7 +149,7 @@ def test_megablocks_imported_first_fails_then_plugin_repairs_it():
         print("repaired")
     """)
     assert r.returncode == 0, r.stderr
-    assert "upstream alone: No module named 'megablocks_ops'" in r.stdout
+    assert f"upstream alone: {first_error}" in r.stdout
     assert "repaired" in r.stdout
 
 

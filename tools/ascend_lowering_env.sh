@@ -4,8 +4,11 @@
 #
 # triton-ascend installs its own `triton` package, so it cannot share the project venv
 # (`.venv`, standard triton). Pinned set, verified together (docs/notes/ascend-lowering.md):
-#   torch==2.13.0 (CPU wheel), triton-ascend==3.2.0, pybind11 (imported by triton-ascend), numpy.
-# MegaBlocks is deliberately NOT installed here: the gate lowers our kernels only.
+#   torch==2.13.0 (CPU wheel), triton-ascend==3.2.0, pybind11 (imported by triton-ascend), numpy,
+#   and MegaBlocks 0.10.0 + stanford-stk 0.7.1 as a user's Ascend environment has them (built
+#   against that torch, --no-deps: see tools/bootstrap.sh), with packaging.
+# Without an NPU, triton-ascend has no active driver: before the gate, `doctor` checks that the
+# plugin and MegaBlocks import there anyway (patch triton-driverless, patches/triton-driverless.md).
 #
 # Usage: tools/ascend_lowering_env.sh [extra args for `lower`, e.g. --json out.json --dump ir/]
 # Env:   PYTHON (default python3)   ASCEND_VENV (default <repo>/.venv-ascend)
@@ -15,17 +18,21 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ASCEND_VENV:-$ROOT/.venv-ascend}"
 PYTHON="${PYTHON:-python3}"
-REQS=(torch==2.13.0 triton-ascend==3.2.0 pybind11 numpy)
+REQS=(torch==2.13.0 triton-ascend==3.2.0 pybind11 numpy packaging)
+UPSTREAM=(megablocks==0.10.0 stanford-stk==0.7.1)
 STAMP="$VENV/.megablocks-ascend-reqs"
-WANT="${REQS[*]}"
+WANT="${REQS[*]} ${UPSTREAM[*]}"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "ascend_lowering_env: creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
 fi
+pip=("$VENV/bin/python" -m pip --quiet --disable-pip-version-check)
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
-    echo "ascend_lowering_env: installing ${REQS[*]}" >&2
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${REQS[@]}"
+    echo "ascend_lowering_env: installing $WANT" >&2
+    "${pip[@]}" install "${REQS[@]}"
+    "$VENV/bin/python" -c "import setuptools" 2>/dev/null || "${pip[@]}" install setuptools wheel
+    "${pip[@]}" install --no-build-isolation --no-deps "${UPSTREAM[@]}"
     # Fail here, not in the gate, if triton-ascend's triton was replaced by another triton.
     "$VENV/bin/python" -c "import triton.backends.ascend.compiler" >/dev/null
     echo "$WANT" > "$STAMP"
@@ -37,4 +44,8 @@ if [[ "${ASCEND_LOWER_SKIP_RUN:-0}" == "1" ]]; then
     exit 0
 fi
 cd "$ROOT"
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV/bin/python" -m megablocks_ascend lower "$@"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The plugin, MegaBlocks and stk import in the Ascend toolchain without an NPU (doctor imports
+# all three and fails if they do not).
+"$VENV/bin/python" -m megablocks_ascend doctor
+exec "$VENV/bin/python" -m megablocks_ascend lower "$@"
