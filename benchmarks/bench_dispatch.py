@@ -94,13 +94,17 @@ class Stub:
         except ImportError:
             pass
         for owner, name in targets:
-            self.saved.append((owner, name, owner.__dict__[name]))
+            # (the method may be inherited, as in Triton 3.3: then the stub shadows it and goes)
+            self.saved.append((owner, name, owner.__dict__.get(name)))
             setattr(owner, name, lambda *a, **k: None)
         return self
 
     def __exit__(self, *exc):
         for owner, name, fn in reversed(self.saved):
-            setattr(owner, name, fn)
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
 
 
 def per_call_us(fn, device, calls, repeats, clock):

@@ -710,6 +710,7 @@ def test_device_sizes_with_no_rows_need_no_read(trans_a, trans_b):
     assert torch.count_nonzero(out) == 0
 
 
+@needs_cpu_grouped_mm
 @pytest.mark.parametrize('trans_a,trans_b', COMBOS)
 def test_grouped_mm_branch_device_sizes_with_recording_fake(monkeypatch, trans_a, trans_b):
     """``_gmm_grouped_mm`` with device sizes: the offsets handed to torch._grouped_mm are int32
