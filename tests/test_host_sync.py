@@ -370,3 +370,51 @@ def test_compile_reduce_overhead_step_matches_eager(name, device):
             clear_load_balancing_loss()
             got = [out.detach().clone()] + [g.detach().clone() for g in _grads(layer, x)]
             _assert_close_all(got, _eager_reference(layer, args, value, "ascend"))
+
+
+# ------------------------------------------------------------------------------------------
+# The cheaper dispatch still follows the environment and still refuses bad input
+
+
+def test_environment_is_still_read_on_every_call(monkeypatch, device):
+    """Only the parse of a raw value is cached: a changed variable takes effect at the next call,
+    and an invalid value is refused every time it is seen."""
+    from megablocks_ascend import envs
+    for _ in range(2):
+        monkeypatch.setenv("MEGABLOCKS_BACKEND", "torch")
+        assert megablocks_ascend.requested() == "torch"
+        monkeypatch.setenv("MEGABLOCKS_BACKEND", "gpu")
+        with pytest.raises(ValueError, match="valid values"):
+            megablocks_ascend.requested()
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_CHECKS", "1")
+        assert envs.checks_enabled()
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_CHECKS", "maybe")
+        with pytest.raises(ValueError, match="expected 0 or 1"):
+            envs.checks_enabled()
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_CHECKS", "0")
+        assert not envs.checks_enabled()
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_NUM_PROGRAMS", "0")
+        with pytest.raises(ValueError, match="positive integer"):
+            envs.num_programs_override()
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_NUM_PROGRAMS", "3")
+        assert envs.num_programs_override() == 3
+        monkeypatch.delenv("MEGABLOCKS_ASCEND_NUM_PROGRAMS")
+        assert envs.num_programs_override() is None
+
+
+def test_value_checks_follow_the_variable_between_calls(monkeypatch, device):
+    """A malformed routing passes with MEGABLOCKS_ASCEND_CHECKS=0 and is refused as soon as the
+    variable says 1, call after call (nothing about the decision is cached)."""
+    import megablocks
+    indices, bins = _routing_tensors(device)
+    bad_bins = bins.clone()
+    bad_bins[-1] += 1  # does not end at the number of assignments
+    bin_ids = torch.zeros_like(indices)
+    x = torch.randn(8, 16, device=device)
+    with megablocks_ascend.use_backend("ascend"):
+        for _ in range(2):
+            monkeypatch.setenv("MEGABLOCKS_ASCEND_CHECKS", "0")
+            megablocks.ops.gather(x, indices, bin_ids, bad_bins, 2)
+            monkeypatch.setenv("MEGABLOCKS_ASCEND_CHECKS", "1")
+            with pytest.raises(megablocks_ascend.RoutingArgumentError, match="'bins' must end"):
+                megablocks.ops.gather(x, indices, bin_ids, bad_bins, 2)
