@@ -471,7 +471,8 @@ PATCHES: tuple[Patch, ...] = (
                  "megablocks.grouped_gemm_util.backend", "megablocks.grouped_gemm_util.ops"),
         why="dMoE with mlp_impl='grouped' asserts that grouped_gemm (a CUDA-only package) is installed.",
         how="When grouped_gemm is not installed, megablocks_ascend.native.grouped_gemm is registered "
-            "as grouped_gemm (npu_grouped_matmul on NPU, torch._grouped_mm on CUDA, a loop elsewhere); "
+            "as grouped_gemm (npu_grouped_matmul on NPU, torch._grouped_mm on CUDA and CPU where "
+            "torch supports the call, a loop elsewhere; group sizes on the host or on the device); "
             "if MegaBlocks was imported first, grouped_gemm_util's availability flag and modules are "
             "corrected too. An installed grouped_gemm is left alone.",
         upstream_fix="Let grouped_gemm_util choose a grouped GEMM per device (e.g. torch._grouped_mm).",

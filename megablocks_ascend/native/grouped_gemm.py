@@ -74,7 +74,6 @@ that it can be loaded on its own, before the rest of megablocks_ascend.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import types
 
