@@ -70,9 +70,12 @@ def load_routing(path: str):
 
 def uncached(mod, name):
     fn = getattr(mod, name)
+    # clear_route_maps() since the maps moved onto their tensors; older routing.py versions (a
+    # baseline) kept them in a _ROUTE_MAPS table.
+    clear = getattr(mod, "clear_route_maps", None) or mod._ROUTE_MAPS.clear
 
     def run(*args, **kwargs):
-        mod._ROUTE_MAPS.clear()
+        clear()
         return fn(*args, **kwargs)
     return run
 

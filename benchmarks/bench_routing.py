@@ -210,7 +210,7 @@ def _uncached(fn):
     """``fn`` with the route-map cache emptied first: a single op is timed with its whole cost (a
     layer step computes the map once and reuses it; see the layer benchmark)."""
     def run(*args, **kwargs):
-        routing._ROUTE_MAPS.clear()
+        routing.clear_route_maps()
         return fn(*args, **kwargs)
     return run
 

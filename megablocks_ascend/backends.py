@@ -122,9 +122,10 @@ def last_backend(op: str) -> str | None:
 
 def _record(op: str, backend: str, device: torch.device) -> None:
     _last[op] = backend
-    call = Call(op, backend, str(device))
-    for calls in _traces:
-        calls.append(call)
+    if _traces:  # a Call is made only for a trace() that is listening
+        call = Call(op, backend, str(device))
+        for calls in _traces:
+            calls.append(call)
 
 
 # ------------------------------------------------------------------------------------------
@@ -177,6 +178,7 @@ _dispatching = _Depth()
 
 def _make_dispatcher(name: str) -> Callable:
     params, x_ndim, x_rows = SPECS[name]
+    tensor_args = tuple(p for p in params if p in _TENSOR_ARGS)
     signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
 
     def dispatcher(*args, **kwargs):
@@ -195,7 +197,10 @@ def _make_dispatcher(name: str) -> Callable:
             expert_capacity=a.get("expert_capacity"), grad=a.get("grad"), x_rows=x_rows)
         backend = resolve(x.device)
         if backend == "ascend":
-            a = {k: (v.contiguous() if k in _TENSOR_ARGS and v is not None else v) for k, v in a.items()}
+            for k in tensor_args:
+                v = a[k]
+                if v is not None:
+                    a[k] = v.contiguous()
         _record(name, backend, x.device)
         _dispatching.depth += 1
         try:

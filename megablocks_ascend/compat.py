@@ -74,16 +74,24 @@ INTERPRETER_HINT = (
 )
 
 
+_interpreting = False  # once seen, for good: the mode is fixed when triton is imported
+
+
 def interpreter_active() -> bool:
     """True when ``triton`` was imported in interpreter mode, so CPU tensors can run kernels.
 
     ``TRITON_INTERPRET`` is read when ``triton.language`` defines its own library functions
     (``tl.max``, ``tl.sum``, ``tl.cdiv``...), so setting it after ``import triton`` is too late;
-    this checks those functions, not the variable.
+    this checks those functions, not the variable. (Asked on every routing call on CPU tensors:
+    a True answer is remembered, as nothing can switch the interpreter off again.)
     """
+    global _interpreting
+    if _interpreting:
+        return True
     from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
     import triton.language.standard as standard  # noqa: PLC0415
-    return isinstance(getattr(standard, "sum", None), InterpretedFunction)
+    _interpreting = isinstance(getattr(standard, "sum", None), InterpretedFunction)
+    return _interpreting
 
 
 class Kernel:
@@ -109,8 +117,8 @@ class Kernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            device = next(a.device for a in args if hasattr(a, "device"))
-            if device.type == "cpu" and not interpreter_active():
+            # Our kernels take a tensor first; the CPU check is one attribute test on a device.
+            if args[0].device.type == "cpu" and not interpreter_active():
                 raise RuntimeError(f"cannot run Triton kernel {self.__name__} on CPU tensors: " + INTERPRETER_HINT)
             return self.jit[grid](*args, **kwargs)
         return launch

@@ -123,6 +123,19 @@ def _core_count(device_type: str, index: int) -> int:
     raise ValueError(device_type)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a graph is being captured on ``device``'s current stream (``torch.cuda.graph``,
+    ``torch.npu.graph``, CUDA-graph trees under ``torch.compile(mode="reduce-overhead")``). On an
+    NPU whose torch_npu has no such query the answer is True: callers then keep nothing across a
+    possible capture boundary, which is always safe."""
+    if device.type == "cuda":
+        return torch.cuda.is_current_stream_capturing()
+    if device.type == "npu":
+        query = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
+        return True if query is None else bool(query())
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def _aicore_count(index: int) -> int:
     """Cube cores (AI cores) of an NPU: triton-ascend's ``num_aicore`` (half its vector cores on A2)."""

@@ -1,7 +1,8 @@
 """Every environment variable megablocks-ascend reads, in one table.
 
 Values are read when they are used (not cached at import), so a test or a
-training script may change them between calls.
+training script may change them between calls; what is cached is only the parse
+of each raw string (the routing ops read three of these on every call).
 
 =================================  ========  ==================================================
 variable                           default   meaning
@@ -42,33 +43,53 @@ NUM_PROGRAMS_VAR = "MEGABLOCKS_ASCEND_NUM_PROGRAMS"
 BACKENDS = ("auto", "ascend", "cuda", "torch")
 
 
-def backend() -> str:
-    """The value of ``MEGABLOCKS_BACKEND``, validated."""
-    value = os.environ.get(BACKEND_VAR, "auto").strip().lower() or "auto"
+_parsed: dict = {}  # (variable, raw value) -> parsed value; invalid values are never stored
+
+
+def _read(name: str, default, parse):
+    raw = os.environ.get(name, default)
+    key = (name, raw)
+    try:
+        return _parsed[key]
+    except KeyError:
+        value = _parsed[key] = parse(raw)  # raises on an invalid value, which is not stored
+        return value
+
+
+def _parse_backend(raw: str) -> str:
+    value = raw.strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(
-            f"{BACKEND_VAR}={os.environ.get(BACKEND_VAR)!r} is not a backend; "
-            f"valid values are: {', '.join(BACKENDS)}"
+            f"{BACKEND_VAR}={raw!r} is not a backend; valid values are: {', '.join(BACKENDS)}"
         )
     return value
 
 
-def _flag(name: str) -> bool:
-    value = os.environ.get(name, "0").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r}: expected 0 or 1")
+def backend() -> str:
+    """The value of ``MEGABLOCKS_BACKEND``, validated."""
+    return _read(BACKEND_VAR, "auto", _parse_backend)
+
+
+def _flag_parser(name: str):
+    def parse(raw: str) -> bool:
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("", "0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return parse
+
+
+_parse_checks = _flag_parser(CHECKS_VAR)
 
 
 def checks_enabled() -> bool:
     """Whether the input checks that need a device-to-host sync run."""
-    return _flag(CHECKS_VAR)
+    return _read(CHECKS_VAR, "0", _parse_checks)
 
 
-def num_programs_override() -> int | None:
-    value = os.environ.get(NUM_PROGRAMS_VAR)
+def _parse_num_programs(value):
     if value is None or value.strip() == "":
         return None
     try:
@@ -78,3 +99,7 @@ def num_programs_override() -> int | None:
     if n < 1:
         raise ValueError(f"{NUM_PROGRAMS_VAR}={value!r}: expected a positive integer")
     return n
+
+
+def num_programs_override() -> int | None:
+    return _read(NUM_PROGRAMS_VAR, None, _parse_num_programs)

@@ -30,6 +30,8 @@ def _fail(op: str, name: str, problem: str):
 
 
 def _tensor(op, name, t, ndim, dtypes):
+    if isinstance(t, torch.Tensor) and t.ndim == ndim and t.dtype in dtypes:
+        return  # the common case, checked first (this runs for every tensor of every routing call)
     if not isinstance(t, torch.Tensor):
         _fail(op, name, f"must be a torch.Tensor, got {type(t).__name__}")
     if t.ndim != ndim:
@@ -46,12 +48,12 @@ def _int(op, name, value, minimum):
         _fail(op, name, f"must be >= {minimum}, got {value}")
 
 
-def _same_device(op, named):
-    devices = {name: t.device for name, t in named.items() if t is not None}
-    first_name, first = next(iter(devices.items()))
-    for name, dev in devices.items():
-        if dev != first:
-            _fail(op, name, f"is on {dev} but '{first_name}' is on {first}")
+def _same_device(op, first_name, first, named):
+    """Every tensor in ``named`` (pairs; None entries skipped) on ``first``'s device."""
+    device = first.device
+    for name, t in named:
+        if t is not None and t.device != device:
+            _fail(op, name, f"is on {t.device} but '{first_name}' is on {device}")
 
 
 def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=None,
@@ -91,8 +93,8 @@ def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=
             _fail(op, "grad", f"must have shape {(n // top_k, x.shape[-1])}, got {tuple(grad.shape)}")
     if x_ndim == 3 and x.shape[0] != bins.shape[0]:
         _fail(op, "x", f"has {x.shape[0]} experts but 'bins' has {bins.shape[0]}")
-    _same_device(op, {"x": x, "indices": indices, "bins": bins, "bin_ids": bin_ids,
-                      "weights": weights, "padded_bins": padded_bins, "grad": grad})
+    _same_device(op, "x", x, (("indices", indices), ("bins", bins), ("bin_ids", bin_ids),
+                              ("weights", weights), ("padded_bins", padded_bins), ("grad", grad)))
     if envs.checks_enabled():
         check_values(op, indices=indices, bins=bins, bin_ids=bin_ids, weights=weights, padded_bins=padded_bins)
 

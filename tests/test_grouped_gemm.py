@@ -256,6 +256,12 @@ def _good(trans_a=False, trans_b=False):
     return dict(a=a, b=b, batch_sizes=bs, trans_a=trans_a, trans_b=trans_b)
 
 
+def _same_bits(a, b):
+    # Bit for bit: an unwritten torch.empty output may hold NaNs, which torch.equal calls unequal.
+    bits = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
 def _snapshot(kw):
     return {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
 
@@ -272,7 +278,7 @@ BAD_CASES = {
     'b_dtype_mismatch': (lambda kw: kw.update(b=kw['b'].double()), "'b' dtype"),
     'b_device_mismatch': (lambda kw: kw.update(b=kw['b'].to('meta')), "'b' is on meta"),
     'batch_sizes_device': (lambda kw: kw.update(batch_sizes=kw['batch_sizes'].to('meta')),
-                           "'batch_sizes' must be a CPU tensor"),
+                           "'batch_sizes' is on meta; it must be a CPU tensor or on 'a''s device"),
     'batch_sizes_float': (lambda kw: kw.update(batch_sizes=kw['batch_sizes'].float()),
                           "'batch_sizes' dtype"),
     'batch_sizes_int16': (lambda kw: kw.update(batch_sizes=kw['batch_sizes'].short()),
@@ -304,7 +310,7 @@ def test_validation_errors(case):
         gg.backend.gmm(**kw)
     assert needle in str(info.value), str(info.value)
     for k, v in before.items():
-        assert torch.equal(kw[k], v), f'{k} was modified'
+        assert _same_bits(kw[k], v), f'{k} was modified'
 
 
 def test_validation_trans_a_row_mismatch():
@@ -337,9 +343,14 @@ def test_ops_gmm_validates_too():
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_impl_name_is_loop_on_cpu(dtype):
+def test_impl_name_on_cpu(dtype):
+    """CPU tensors: torch._grouped_mm's CPU kernel (torch >= 2.9) for bf16/fp16/fp32 operands
+    whose strides are multiples of 16 bytes, the loop otherwise."""
     a, b, bs = make_inputs([2, 3], False, False, dtype=dtype, k=16, n=16)
-    assert gg.gmm_impl_name(a) == 'loop'
+    kernel = gg._cpu_supports_grouped_mm() and dtype != torch.float64
+    assert gg.gmm_impl_name(a) == ('torch._grouped_mm' if kernel else 'loop')
+    assert gg.gmm_impl_name(a, b, bs) == ('torch._grouped_mm' if kernel else 'loop')
+    a, b, bs = make_inputs([2, 3], False, False, dtype=dtype, k=6, n=16)   # 6 elements: unaligned
     assert gg.gmm_impl_name(a, b, bs) == 'loop'
 
 
@@ -543,6 +554,241 @@ def test_full_dispatch_reaches_npu_branch(monkeypatch):
     out = gg.backend.gmm(a, b, bs, trans_b=True)
     assert len(fake.calls) == 1
     assert rel_err(out, ref_gmm(a, b, sizes, False, True)) < TOL[torch.bfloat16]
+
+
+# --------------------------------------------------------------------------
+# batch_sizes on the operands' device ("device sizes")
+# --------------------------------------------------------------------------
+
+needs_cpu_grouped_mm = pytest.mark.skipif(
+    not gg._cpu_supports_grouped_mm(),
+    reason=f'torch {torch.__version__} has no CPU kernel for torch._grouped_mm (needs torch >= 2.9)')
+
+
+def _no_host_reads(fn):
+    """Run ``fn`` and fail on any read of tensor values into Python (see tests/host_syncs.py)."""
+    from host_syncs import HostSyncs
+    with HostSyncs() as syncs:
+        out = fn()
+    assert not syncs.events, syncs.report()
+    return out
+
+
+@needs_cpu_grouped_mm
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('trans_a,trans_b', COMBOS)
+@pytest.mark.parametrize('case', list(SIZE_CASES))
+def test_device_sizes_match_reference_without_reading_them(dtype, trans_a, trans_b, case):
+    """CPU operands with CPU sizes are "device sizes": torch._grouped_mm gets offsets computed
+    from the tensor, and no value of batch_sizes is read into Python."""
+    sizes = SIZE_CASES[case]
+    a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=dtype, k=16, n=24)
+    assert gg.gmm_impl_name(a, b, bs, trans_a, trans_b) == 'torch._grouped_mm'
+    out = _no_host_reads(lambda: gg.backend.gmm(a, b, bs, trans_a=trans_a, trans_b=trans_b))
+    assert out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, ref_gmm(a, b, sizes, trans_a, trans_b)) < TOL[dtype]
+    if trans_a:
+        for g, n in enumerate(sizes):
+            if n == 0:
+                assert torch.count_nonzero(out[g]) == 0
+
+
+@needs_cpu_grouped_mm
+@pytest.mark.parametrize('trans_a,trans_b', COMBOS)
+def test_device_sizes_fill_c(trans_a, trans_b):
+    sizes = [8, 0, 16, 8]
+    a, b, bs = make_inputs(sizes, trans_a, trans_b, k=16, n=24)
+    ref = ref_gmm(a, b, sizes, trans_a, trans_b)
+    c = torch.full(tuple(ref.shape), float('nan'))
+    out = _no_host_reads(lambda: gg.backend.gmm(a, b, bs, trans_a=trans_a, trans_b=trans_b, c=c))
+    assert out is c and not torch.isnan(c).any()
+    assert rel_err(c, ref) < TOL[torch.float32]
+
+
+@needs_cpu_grouped_mm
+@pytest.mark.parametrize('trans_b', [False, True])
+def test_ops_gmm_device_sizes_forward_and_backward(trans_b):
+    """The autograd op (what GroupedMLP calls) with device sizes: results and gradients as the
+    float64 reference, and neither pass reads the sizes."""
+    sizes = [8, 0, 16, 8]
+    a, b, bs = make_inputs(sizes, False, trans_b, k=16, n=24, seed=5)
+    grad_out = torch.randn(sum(sizes), 24, generator=torch.Generator().manual_seed(9))
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+
+    def step():
+        out = gg.ops.gmm(a1, b1, bs, trans_b=trans_b)
+        out.backward(grad_out)
+        return out
+
+    out = _no_host_reads(step)
+    a2, b2 = a.double().requires_grad_(), b.double().requires_grad_()
+    pieces, r = [], 0
+    for g, n in enumerate(sizes):
+        pieces.append(a2[r:r + n] @ (b2[g].t() if trans_b else b2[g]))
+        r += n
+    torch.cat(pieces).backward(grad_out.double())
+    assert rel_err(out, torch.cat(pieces).detach()) < 1e-5
+    assert rel_err(a1.grad, a2.grad) < 1e-5 and rel_err(b1.grad, b2.grad) < 1e-5
+    assert torch.count_nonzero(b1.grad[1]) == 0
+
+
+@needs_cpu_grouped_mm
+def test_device_group_layout_is_computed_once_per_tensor_and_version(monkeypatch):
+    """The GEMMs of one step share the offsets computed from one batch_sizes tensor; an in-place
+    change of the tensor recomputes them; during a graph capture nothing is reused."""
+    made = []
+    real = gg._DeviceGroups.__init__
+    monkeypatch.setattr(gg._DeviceGroups, '__init__',
+                        lambda self, *args: made.append(args[0]) or real(self, *args))
+    sizes = [8, 0, 16, 8]
+    a, b, bs = make_inputs(sizes, False, True, k=16, n=24)
+    a.requires_grad_()
+    b.requires_grad_()
+    gg.ops.gmm(a, b, bs, trans_b=True).sum().backward()         # 3 GEMMs
+    assert len(made) == 1
+    bs.copy_(torch.tensor([16, 0, 8, 8]))                        # in place: a new version
+    out = gg.backend.gmm(a.detach(), b.detach(), bs, trans_b=True)
+    assert len(made) == 2
+    assert rel_err(out, ref_gmm(a, b, [16, 0, 8, 8], False, True)) < 1e-5
+    monkeypatch.setattr(gg, '_capturing', lambda device: True)
+    for _ in range(2):
+        gg.backend.gmm(a.detach(), b.detach(), bs, trans_b=True)
+    assert len(made) == 4 and made[-1] is None                   # not kept, not reused
+
+
+def test_device_group_ends_stay_inside_the_operands():
+    """Whatever batch_sizes holds (negative, too large), the device offsets are non-decreasing
+    and within [0, rows]; for valid sizes they are the plain cumulative sums."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        rows = int(torch.randint(0, 40, (1,), generator=g))
+        sizes = torch.randint(-20, 30, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        ends = gg._DeviceGroups(None, sizes.int(), rows).ends
+        assert ends.dtype == torch.int64
+        assert bool((ends >= 0).all()) and bool((ends <= rows).all())
+        assert bool((ends[1:] >= ends[:-1]).all())
+        counts = gg._DeviceGroups(None, sizes, rows).counts
+        assert bool((counts >= 0).all()) and int(counts.sum()) <= rows
+    valid = torch.tensor([3, 0, 5, 2])
+    groups = gg._DeviceGroups(None, valid, 10)
+    assert groups.offsets.tolist() == [3, 3, 8, 10] and groups.offsets.dtype == torch.int32
+    assert groups.counts.tolist() == [3, 0, 5, 2]
+    assert groups.empty.flatten().tolist() == [False, True, False, False]
+
+
+@needs_cpu_grouped_mm
+@pytest.mark.parametrize('bad,needle', [([8, -4, 16, 12], "'batch_sizes' has negative entries"),
+                                        ([8, 8, 16, 16], "'batch_sizes' sums to 48 but 'a' has 32 rows"),
+                                        ([8, 0, 8, 8], "'batch_sizes' sums to 24 but 'a' has 32 rows")])
+def test_device_sizes_value_checks_follow_megablocks_ascend_checks(monkeypatch, bad, needle):
+    """Device sizes are not read by default (a malformed one gives an unspecified result inside
+    the operands); MEGABLOCKS_ASCEND_CHECKS=1 reads them and raises, leaving c untouched."""
+    a, b, _ = make_inputs([8, 0, 16, 8], False, True, k=16, n=24)
+    bs = torch.tensor(bad)
+    monkeypatch.delenv('MEGABLOCKS_ASCEND_CHECKS', raising=False)
+    out = _no_host_reads(lambda: gg.backend.gmm(a, b, bs, trans_b=True))
+    assert out.shape == (32, b.shape[1])
+    monkeypatch.setenv('MEGABLOCKS_ASCEND_CHECKS', '1')
+    c = torch.full((32, b.shape[1]), 7.0)
+    with pytest.raises(ValueError, match=needle.replace('(', r'\(')):
+        gg.backend.gmm(a, b, bs, trans_b=True, c=c)
+    assert torch.equal(c, torch.full((32, b.shape[1]), 7.0))
+
+
+def test_host_sizes_are_still_checked_by_default():
+    """The loop reads the sizes anyway, so their value checks stay on (fp64: the loop)."""
+    a, b, _ = make_inputs([2, 1, 3], False, False, dtype=torch.float64, k=16, n=16)
+    with pytest.raises(ValueError, match="'batch_sizes' sums to 5"):
+        gg.backend.gmm(a, b, torch.tensor([2, 1, 2]))
+
+
+@pytest.mark.parametrize('trans_a,trans_b', COMBOS)
+def test_device_sizes_with_no_rows_need_no_read(trans_a, trans_b):
+    a, b, bs = make_inputs([0, 0, 0], trans_a, trans_b, dtype=torch.float64, k=16, n=16)
+    out = _no_host_reads(lambda: gg.backend.gmm(a, b, bs, trans_a=trans_a, trans_b=trans_b))
+    assert out.shape == ref_gmm(a, b, [0, 0, 0], trans_a, trans_b).shape
+    assert torch.count_nonzero(out) == 0
+
+
+@needs_cpu_grouped_mm
+@pytest.mark.parametrize('trans_a,trans_b', COMBOS)
+def test_grouped_mm_branch_device_sizes_with_recording_fake(monkeypatch, trans_a, trans_b):
+    """``_gmm_grouped_mm`` with device sizes: the offsets handed to torch._grouped_mm are int32
+    cumulative ends on the operands' device, computed without reading batch_sizes; empty groups
+    of the trans_a form are zeroed even when the kernel leaves garbage there."""
+    real = torch._grouped_mm
+    calls = []
+
+    def fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        calls.append(offs)
+        out = real(mat_a, mat_b, offs=offs)
+        if mat_a.dim() == 2 and mat_b.dim() == 2:
+            out = out.clone()
+            out[1] = 123.0                                      # group 1 is empty below
+        return out
+
+    monkeypatch.setattr(torch, '_grouped_mm', fake)
+    monkeypatch.setattr(gg, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
+    sizes = [8, 0, 16, 8]
+    a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.bfloat16, k=16, n=24)
+    out = gg._gmm_grouped_mm(a, b, bs, None, trans_a, trans_b, None)
+    assert rel_err(out, ref_gmm(a, b, sizes, trans_a, trans_b)) < TOL[torch.bfloat16]
+    (offs,) = calls
+    assert offs.dtype == torch.int32 and offs.device == a.device and offs.tolist() == [8, 8, 24, 32]
+    if trans_a:
+        assert torch.count_nonzero(out[1]) == 0
+
+
+@pytest.mark.parametrize('trans_a,trans_b', COMBOS)
+def test_npu_branch_device_sizes_with_fake_torch_npu(monkeypatch, trans_a, trans_b):
+    """``_gmm_npu`` with device sizes: ``group_list`` is the int64 per-group counts derived on
+    the operands' device, batch_sizes is never read on the host. (The fake stands in for the
+    NPU kernel; NOT run on an NPU.)"""
+    fake = _FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, 'torch_npu', fake)
+    monkeypatch.setattr(gg, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
+    sizes = [3, 0, 5, 2]
+    a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.bfloat16, k=8, n=6)
+    out = gg._gmm_npu(a, b, bs.int(), None, trans_a, trans_b, None)
+    assert rel_err(out, ref_gmm(a, b, sizes, trans_a, trans_b)) < TOL[torch.bfloat16]
+    (call,) = fake.calls
+    assert call['group_list_type'] == 1 and call['group_list'].tolist() == sizes
+    if trans_a:
+        assert torch.count_nonzero(out[1]) == 0
+
+
+def test_takes_device_sizes_per_device(monkeypatch):
+    """Which (device, dtype, sizes) keep MegaBlocks' token counts on the device. CUDA and NPU
+    with their capability probes forced (no GPU or NPU here)."""
+    cpu, bf, fp16, fp32 = torch.device('cpu'), torch.bfloat16, torch.float16, torch.float32
+    kernel = gg._cpu_supports_grouped_mm()
+    for dtype in (bf, fp16, fp32):
+        assert gg.takes_device_sizes(cpu, dtype, (64, 128), 8) == kernel
+    assert not gg.takes_device_sizes(cpu, torch.float64, (64, 128), 8)
+    assert not gg.takes_device_sizes(cpu, fp32, (64, 126), 8)       # 126 * 4 bytes: not 16-aligned
+    assert not gg.takes_device_sizes(cpu, fp32, (64, 0), 8)
+    assert not gg.takes_device_sizes(torch.device('meta'), fp32, (64, 128), 8)
+
+    cuda = torch.device('cuda', 0)
+    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: True)
+    for major, expected in ((8, False), (9, True), (10, True), (12, False)):
+        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda index, m=major: (m, 0))
+        assert gg.takes_device_sizes(cuda, bf, (2048, 768), 128) == expected, major
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda index: (9, 0))
+    assert not gg.takes_device_sizes(cuda, fp16, (2048, 768), 128)   # fp16: torch's fallback syncs
+    assert not gg.takes_device_sizes(cuda, bf, (2048, 764), 128)     # 764 bf16: not 16-aligned
+    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: False)
+    assert not gg.takes_device_sizes(cuda, bf, (2048, 768), 128)
+
+    npu = types.SimpleNamespace(type='npu', index=0)              # only its type is looked at
+    monkeypatch.setitem(sys.modules, 'torch_npu', types.ModuleType('torch_npu'))
+    assert not gg.takes_device_sizes(npu, bf, (2048, 768), 128)      # no npu_grouped_matmul
+    sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
+    assert gg.takes_device_sizes(npu, bf, (2048, 768), 128)
+    assert gg.takes_device_sizes(npu, fp16, (2048, 766), 128)        # no 16-byte rule documented
+    assert not gg.takes_device_sizes(npu, fp32, (2048, 768), 128)
+    assert not gg.takes_device_sizes(npu, bf, (2048, 768), 2048)     # > 1024 groups
+    assert not gg.takes_device_sizes(npu, bf, (65536, 768), 128)
 
 
 # --------------------------------------------------------------------------

@@ -282,7 +282,7 @@ def test_upstream_calling_its_siblings_is_not_dispatched_twice(monkeypatch):
 def test_route_map_is_reused_within_a_step_and_recomputed_when_the_routing_changes(monkeypatch):
     from megablocks_ascend.kernels import routing
 
-    routing._ROUTE_MAPS.clear()
+    routing.clear_route_maps()
     launches = []
     real = routing._compute_route_map
     monkeypatch.setattr(routing, "_compute_route_map", lambda *a, **k: launches.append(1) or real(*a, **k))
@@ -309,7 +309,7 @@ def test_a_whole_layer_step_computes_each_route_map_once(monkeypatch):
     args = Arguments(hidden_size=16, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2,
                      mlp_impl="grouped", fp16=False, bf16=False, moe_loss_weight=0.0)
     layer = dMoE(args)
-    routing._ROUTE_MAPS.clear()
+    routing.clear_route_maps()
     launches = []
     real = routing._compute_route_map
     monkeypatch.setattr(routing, "_compute_route_map", lambda *a, **k: launches.append(1) or real(*a, **k))

@@ -464,7 +464,7 @@ def test_int64_offsets_give_the_same_results(monkeypatch, top_k):
                                  pbins, top_k),
     }
     int32 = {name: getattr(routing, name)(*args, tile=SMALL, num_programs=3) for name, args in calls.items()}
-    routing._ROUTE_MAPS.clear()
+    routing.clear_route_maps()
     monkeypatch.setattr(routing, "_INT32_LIMIT", 1)
     assert routing._needs_int64(1)
     for name, args in calls.items():

@@ -69,8 +69,6 @@ tensor has 2**31 elements or more, in which case the launcher specialises the ke
 
 from __future__ import annotations
 
-import collections
-
 import torch
 import triton
 import triton.language as tl
@@ -566,39 +564,56 @@ def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
                     capacity=capacity, **launch)
 
 
-# Route maps of recent routings. One MegaBlocks layer step asks for the same map up to five times
-# (forward gather and scatter, their backwards, the weight gradient); the routing tensors do not
-# change in between, so later calls reuse the first map. An entry holds its key tensors, so their
-# storage (and data_ptr) cannot be reused while it is cached, and the version counter catches
-# in-place changes.
-_ROUTE_MAPS: collections.OrderedDict = collections.OrderedDict()
-ROUTE_MAP_CACHE_SIZE = 8
+# Route maps, kept on the routing tensor they were computed from. One MegaBlocks layer step asks
+# for the same map up to five times (forward gather and scatter, their backwards, the weight
+# gradient) with the same ``indices`` tensor object (autograd hands saved inputs back as the same
+# object), so later calls reuse the first map. Keeping the map on the object (not in a table keyed
+# by data pointers) means it dies with its tensor and can never be found by another tensor that
+# happens to reuse the memory (as a CUDA graph pool or a memory checkpoint can arrange); the
+# version counters catch in-place changes. While a graph is being captured nothing is reused or
+# kept: each captured call records its own route-map launch, so no cached tensor crosses a capture
+# boundary (a few us of device time per extra launch, no host time at replay).
+_ROUTE_MAP_ATTR = "_megablocks_ascend_route_maps"
+_route_map_token = object()  # replaced by clear_route_maps(); entries made under another are stale
 
 
-def _tensor_key(t):
-    if t is None:
-        return None
-    return (t.data_ptr(), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+def clear_route_maps() -> None:
+    """Forget every cached route map (each op then pays for its map: for timing single ops)."""
+    global _route_map_token
+    _route_map_token = object()
+
+
+def _versions(indices, bins, padded_bins):
+    return (indices._version, indices.shape[0], bins._version, bins.shape[0],
+            None if padded_bins is None else (padded_bins._version, padded_bins.shape[0]))
 
 
 def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
     """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped.
 
-    The result is cached per routing (see ``_ROUTE_MAPS``) and must not be modified."""
-    if any(t is not None and t.is_inference() for t in (indices, bins, padded_bins)):
-        # Inference tensors have no version counter to tell an in-place change: no caching.
+    The result is cached on ``indices`` for this ``bins``/``padded_bins`` (see above) and must not
+    be modified."""
+    def compute():
         return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                                   block_m=block_m, num_programs=num_programs)
-    key = (layout, capacity, _tensor_key(indices), _tensor_key(bins), _tensor_key(padded_bins))
-    hit = _ROUTE_MAPS.get(key)
-    if hit is not None:
-        _ROUTE_MAPS.move_to_end(key)
-        return hit[0]
-    slot_to_row = _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
-                                     block_m=block_m, num_programs=num_programs)
-    _ROUTE_MAPS[key] = (slot_to_row, (indices, bins, padded_bins))
-    while len(_ROUTE_MAPS) > ROUTE_MAP_CACHE_SIZE:
-        _ROUTE_MAPS.popitem(last=False)
+
+    if indices.is_inference() or bins.is_inference() or (padded_bins is not None and padded_bins.is_inference()) \
+            or devices.capturing(indices.device):
+        # Inference tensors have no version counter to tell an in-place change; a capture keeps
+        # its own launches (see above).
+        return compute()
+    maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
+    key = (layout, capacity)
+    hit = maps.get(key) if maps is not None else None
+    versions = _versions(indices, bins, padded_bins)
+    if hit is not None and hit[0] is _route_map_token and hit[1] is bins and hit[2] is padded_bins \
+            and hit[3] == versions:
+        return hit[4]
+    slot_to_row = compute()
+    if maps is None:
+        maps = {}
+        setattr(indices, _ROUTE_MAP_ATTR, maps)
+    maps[key] = (_route_map_token, bins, padded_bins, versions, slot_to_row)
     return slot_to_row
 
 

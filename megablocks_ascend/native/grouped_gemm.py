@@ -8,8 +8,8 @@ MegaBlocks imports ``grouped_gemm`` and calls two entry points:
 * ``grouped_gemm.ops.gmm(a, b, batch_sizes, trans_b=False)`` -- the same op
   wrapped in a ``torch.autograd.Function``.
 
-Semantics (matching the real package; ``batch_sizes`` is a CPU tensor of
-per-group row counts, ``E = len(batch_sizes)``, ``T = a.shape[0]``):
+Semantics (matching the real package; ``batch_sizes`` is a tensor of per-group
+row counts, ``E = len(batch_sizes)``, ``T = a.shape[0]``):
 
 ==============  =================  =================  =======================================
 trans_a/trans_b a                  b                  result
@@ -28,10 +28,38 @@ Three implementations, chosen per call (``gmm_impl_name`` reports which):
 * ``'npu_grouped_matmul'`` -- Ascend NPU tensors, fp16/bf16:
   ``torch_npu.npu_grouped_matmul``.  NOT YET RUN ON AN NPU; see ``_gmm_npu``.
 * ``'torch._grouped_mm'`` -- CUDA tensors, bf16, with a torch that has
-  ``torch._grouped_mm`` and operands that meet its alignment rules; see
-  ``_gmm_grouped_mm``.  Not run on a GPU here either.
+  ``torch._grouped_mm`` and operands that meet its alignment rules; CPU
+  tensors (bf16/fp16/fp32, torch >= 2.9) likewise.  See ``_gmm_grouped_mm``.
 * ``'loop'`` -- everything else: one ``torch.mm`` per group, in the input
-  dtype.  This is what runs on CPU and is what the tests here verify.
+  dtype (fp64, misaligned shapes, fp16/fp32 on CUDA, torch without
+  ``torch._grouped_mm``).
+
+Where the group sizes live (``batch_sizes``)
+--------------------------------------------
+The real package takes ``batch_sizes`` on the CPU, so MegaBlocks copies its
+per-expert token counts to the host every step (``tokens_per_expert.cpu()``):
+a device-to-host sync that drains the device queue and rules out graph
+capture.  The stand-in also accepts ``batch_sizes`` on the operands' own
+device ("device sizes"):
+
+* ``torch._grouped_mm`` and ``npu_grouped_matmul`` take their offsets /
+  ``group_list`` as device tensors, so with device sizes nothing is read on
+  the host: the offsets are computed on the device (sizes clamped at 0, ends
+  clamped at the row count, so a malformed ``batch_sizes`` can give a wrong
+  result but never an access outside the operands), once per ``batch_sizes``
+  tensor and reused by the later calls of the step (not while a graph is
+  being captured, where every call records its own);
+* the loop needs the sizes as Python ints and reads them (on an accelerator
+  that is a sync);
+* the checks that read values (no negative size, sizes summing to the rows
+  of ``a``) run whenever the values are on the host anyway (CPU sizes for
+  accelerator operands, the loop) and otherwise only with
+  ``MEGABLOCKS_ASCEND_CHECKS=1``, like the routing ops' value checks.
+
+:func:`takes_device_sizes` says, for a device, dtype and the operands'
+dimensions, whether every GEMM of an expert MLP would run without a host
+read; the ``grouped-mlp-device-sizes`` patch (``megablocks_ascend.patching``)
+asks it before it keeps MegaBlocks' token counts on the device.
 
 Under ``torch.autocast`` (for the device type of ``a``) both entry points behave like
 ``torch.matmul`` does: floating-point ``a`` and ``b`` (float64 excepted) are cast to the autocast
@@ -62,6 +90,7 @@ import torch
 __all__ = [
     'gmm',
     'gmm_impl_name',
+    'takes_device_sizes',
     'GroupedGemm',
     'backend',
     'ops',
@@ -96,8 +125,9 @@ def _fail(msg: str):
     raise ValueError(f'grouped_gemm.gmm: {msg}')
 
 
-def _validate(a, b, batch_sizes, trans_a, trans_b, c) -> list:
-    """Check every argument; return batch_sizes as a Python list of ints.
+def _validate(a, b, batch_sizes, trans_a, trans_b, c) -> None:
+    """Check every argument's type, shape, dtype and device (nothing here reads
+    the values of ``batch_sizes``: see :func:`_host_sizes`).
 
     Nothing is computed or written before this returns.
     """
@@ -125,29 +155,23 @@ def _validate(a, b, batch_sizes, trans_a, trans_b, c) -> list:
     if b.device != a.device:
         _fail(f"'b' is on {b.device} but 'a' is on {a.device}")
 
-    if batch_sizes.device.type != 'cpu':
-        _fail(f"'batch_sizes' must be a CPU tensor, got device {batch_sizes.device} "
-              '(MegaBlocks passes tokens_per_expert.cpu())')
+    if batch_sizes.device.type != 'cpu' and batch_sizes.device != a.device:
+        _fail(f"'batch_sizes' is on {batch_sizes.device}; it must be a CPU tensor or on "
+              f"'a''s device ({a.device})")
     if batch_sizes.dtype not in _INDEX_DTYPES:
         _fail(f"'batch_sizes' dtype must be int64 or int32, got {batch_sizes.dtype}")
     if batch_sizes.ndim != 1:
         _fail(f"'batch_sizes' must be 1-D, got shape {tuple(batch_sizes.shape)}")
-    sizes = [int(s) for s in batch_sizes.tolist()]
-    negative = [i for i, s in enumerate(sizes) if s < 0]
-    if negative:
-        _fail(f"'batch_sizes' has negative entries at groups {negative}: {sizes}")
-    total = sum(sizes)
-    if total != a.shape[0]:
-        _fail(f"'batch_sizes' sums to {total} but 'a' has {a.shape[0]} rows")
+    n_groups = batch_sizes.shape[0]
 
     if trans_a:
         if b.shape[0] != a.shape[0]:
             _fail(f"'b' has {b.shape[0]} rows but 'a' has {a.shape[0]} "
                   '(with trans_a both are sliced by batch_sizes)')
-        out_shape = (len(sizes), a.shape[1], b.shape[1])
+        out_shape = (n_groups, a.shape[1], b.shape[1])
     else:
-        if len(sizes) != b.shape[0]:
-            _fail(f"'batch_sizes' has {len(sizes)} groups but 'b' has "
+        if n_groups != b.shape[0]:
+            _fail(f"'batch_sizes' has {n_groups} groups but 'b' has "
                   f'{b.shape[0]} (b.shape[0])')
         k_b = b.shape[2] if trans_b else b.shape[1]
         if k_b != a.shape[1]:
@@ -164,7 +188,40 @@ def _validate(a, b, batch_sizes, trans_a, trans_b, c) -> list:
             _fail(f"'c' dtype {c.dtype} does not match 'a' dtype {a.dtype}")
         if c.device != a.device:
             _fail(f"'c' is on {c.device} but 'a' is on {a.device}")
+
+
+def _host_sizes(batch_sizes, rows: int) -> list:
+    """``batch_sizes`` as Python ints, after the checks that need their values.
+
+    Reads the values: a device-to-host copy (and sync) when ``batch_sizes`` is on an
+    accelerator.
+    """
+    sizes = [int(s) for s in batch_sizes.tolist()]
+    negative = [i for i, s in enumerate(sizes) if s < 0]
+    if negative:
+        _fail(f"'batch_sizes' has negative entries at groups {negative}: {sizes}")
+    total = sum(sizes)
+    if total != rows:
+        _fail(f"'batch_sizes' sums to {total} but 'a' has {rows} rows")
     return sizes
+
+
+def _device_sizes(batch_sizes, a) -> bool:
+    """Whether ``batch_sizes`` lives on the operands' device (CPU operands included):
+    then the kernels that take device offsets need no host read."""
+    return batch_sizes.device == a.device
+
+
+_envs = None
+
+
+def _value_checks_enabled() -> bool:
+    # MEGABLOCKS_ASCEND_CHECKS (megablocks_ascend/envs.py lists it). Imported on first use, not at
+    # the top, so that this module can still be loaded on its own.
+    global _envs
+    if _envs is None:
+        from megablocks_ascend import envs as _envs  # noqa: PLC0415
+    return _envs.checks_enabled()
 
 
 def _output_shape(a, b, n_groups, trans_a, trans_b):
@@ -177,6 +234,7 @@ def _output_shape(a, b, n_groups, trans_a, trans_b):
 # Dispatch
 # --------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _torch_version() -> tuple:
     m = re.match(r'^(\d+)\.(\d+)', torch.__version__)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
@@ -198,6 +256,33 @@ def _cuda_device_supports_grouped_mm(device_index: int) -> bool:
     if version >= (2, 9):
         return major >= 8
     return major in (9, 10)
+
+
+def _cuda_fast_grouped_mm(device_index: int) -> bool:
+    """Whether torch._grouped_mm runs its fused kernel (bf16, SM90/SM100) on this GPU.
+
+    Only that kernel reads the offsets on the device. torch's fallback for other GPUs
+    (SM80+, from torch 2.9) copies them to the host and loops over the groups: a sync.
+    """
+    if not _cuda_device_supports_grouped_mm(device_index) or getattr(torch.version, 'hip', None):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+
+
+_CPU_GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_supports_grouped_mm() -> bool:
+    """torch._grouped_mm has a CPU kernel from torch 2.9 (2.8 defines the op for CUDA only).
+
+    Run here on torch 2.13 (bf16, fp16, fp32); 2.9-2.12 on CPU not run.
+    """
+    return hasattr(torch, '_grouped_mm') and _torch_version() >= (2, 9)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _grouped_mm_operands(a, b, trans_a, trans_b):
@@ -225,14 +310,16 @@ def _grouped_mm_strides_ok(t: torch.Tensor) -> bool:
 
 
 def _grouped_mm_usable(a, b, batch_sizes, trans_a, trans_b) -> bool:
-    if a.dtype != torch.bfloat16:
-        return False                      # documented: bf16 only (fp16/fp32 -> loop)
-    if not _cuda_device_supports_grouped_mm(a.device.index if a.device.index is not None
-                                            else torch.cuda.current_device()):
+    if a.device.type == 'cpu':
+        if a.dtype not in _CPU_GROUPED_MM_DTYPES or not _cpu_supports_grouped_mm():
+            return False
+    elif a.dtype != torch.bfloat16:
+        return False                      # CUDA: documented bf16 only (fp16/fp32 -> loop)
+    elif not _cuda_device_supports_grouped_mm(_device_index(a.device)):
         return False
     if b is None:
         return True
-    if b.dtype != torch.bfloat16 or b.device != a.device:
+    if b.dtype != a.dtype or b.device != a.device:
         return False
     if trans_a and trans_b:
         return False
@@ -276,11 +363,45 @@ def _select_impl(a, b=None, batch_sizes=None, trans_a=False, trans_b=False) -> s
     dev = a.device.type
     if dev == 'npu':
         return IMPL_NPU if _npu_usable(a, b, batch_sizes, trans_a, trans_b) else IMPL_LOOP
-    if dev == 'cuda':
+    if dev in ('cuda', 'cpu'):
         if _grouped_mm_usable(a, b, batch_sizes, trans_a, trans_b):
             return IMPL_GROUPED_MM
         return IMPL_LOOP
     return IMPL_LOOP
+
+
+def takes_device_sizes(device: torch.device, dtype: torch.dtype, dims: tuple, groups: int) -> bool:
+    """Whether ``gmm`` can take ``batch_sizes`` on ``device`` and never read them on the host,
+    for every GEMM of an expert MLP whose operands have this dtype, ``groups`` experts and the
+    non-grouped dimensions ``dims`` (hidden and FFN sizes).
+
+    True where the call would go to an implementation that reads the offsets on the device:
+    ``torch._grouped_mm``'s fused kernel (CUDA SM90/SM100, bf16; the CPU kernel of torch >= 2.9,
+    bf16/fp16/fp32) or ``npu_grouped_matmul`` (fp16/bf16; not run on an NPU). Per-call facts
+    that are not known here (an operand's data pointer alignment) can still send a single call
+    to the loop, which then reads the sizes (correct, with a sync).
+    """
+    dims = tuple(int(d) for d in dims)
+    if not dims or min(dims) <= 0 or groups < 1:
+        return False
+    if device.type == 'npu':
+        if dtype not in _NPU_DTYPES or groups > _NPU_MAX_GROUPS or max(dims) >= _NPU_INNER_LIMIT:
+            return False
+        try:
+            import torch_npu  # noqa: F401,PLC0415  (only reached for NPU tensors)
+        except ImportError:
+            return False
+        return hasattr(torch_npu, 'npu_grouped_matmul')
+    if device.type == 'cuda':
+        if dtype != torch.bfloat16 or not _cuda_fast_grouped_mm(_device_index(device)):
+            return False
+    elif device.type == 'cpu':
+        if dtype not in _CPU_GROUPED_MM_DTYPES or not _cpu_supports_grouped_mm():
+            return False
+    else:
+        return False
+    align = 16 // dtype.itemsize
+    return all(d % align == 0 for d in dims)
 
 
 def gmm_impl_name(a, b=None, batch_sizes=None, trans_a=False, trans_b=False) -> str:
@@ -329,6 +450,72 @@ def _zero_empty_groups(out, sizes):
         out[empty] = 0
 
 
+# --------------------------------------------------------------------------
+# Group layout from device-resident batch_sizes (see "Where the group sizes live")
+# --------------------------------------------------------------------------
+
+_GROUPS_ATTR = '_megablocks_ascend_gmm_groups'
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a graph is being captured on ``device``'s current stream. A torch_npu without
+    the query counts as capturing, so that nothing is reused across a capture boundary."""
+    if device.type == 'cuda':
+        return torch.cuda.is_current_stream_capturing()
+    if device.type == 'npu':
+        query = getattr(getattr(torch, 'npu', None), 'is_current_stream_capturing', None)
+        return True if query is None else bool(query())
+    return False
+
+
+class _DeviceGroups:
+    """Group ends and the quantities derived from them, computed on the device from
+    ``batch_sizes`` without reading it: ``ends[g] = min(sum(max(batch_sizes[:g+1], 0)), rows)``,
+    non-decreasing and at most ``rows``, so every group is a slice inside the operands even when
+    ``batch_sizes`` is malformed (its values are checked only with MEGABLOCKS_ASCEND_CHECKS=1)."""
+
+    def __init__(self, key, batch_sizes, rows: int):
+        self.key = key
+        self.ends = batch_sizes.clamp(min=0).cumsum(0).clamp_(max=rows)   # int64
+        self._derived = {}
+
+    def _get(self, name, make):
+        value = self._derived.get(name)
+        if value is None:
+            value = self._derived[name] = make()
+        return value
+
+    @property
+    def offsets(self):
+        """int32 cumulative ends, as torch._grouped_mm's ``offs`` wants them."""
+        return self._get('offsets', lambda: self.ends.to(torch.int32))
+
+    @property
+    def counts(self):
+        """int64 per-group sizes consistent with ``ends`` (npu_grouped_matmul's ``group_list``)."""
+        return self._get('counts', lambda: torch.diff(self.ends, prepend=self.ends.new_zeros(1)))
+
+    @property
+    def empty(self):
+        """[E, 1, 1] mask of the groups without rows (their trans_a blocks must be zero)."""
+        return self._get('empty', lambda: (self.counts == 0).view(-1, 1, 1))
+
+
+def _device_groups(batch_sizes, rows: int) -> _DeviceGroups:
+    """The :class:`_DeviceGroups` of ``batch_sizes``, computed once per tensor (and version)
+    and kept on the tensor object itself, so the GEMMs of one step (forward and backward get
+    the same ``tokens_per_expert``) share it and it dies with the tensor. Not reused while a
+    graph is being captured: each captured call records its own small kernels."""
+    if batch_sizes.is_inference() or _capturing(batch_sizes.device):
+        return _DeviceGroups(None, batch_sizes, rows)   # no version counter / inside a capture
+    key = (batch_sizes._version, rows)
+    groups = batch_sizes.__dict__.get(_GROUPS_ATTR)
+    if groups is None or groups.key != key:
+        groups = _DeviceGroups(key, batch_sizes, rows)
+        setattr(batch_sizes, _GROUPS_ATTR, groups)
+    return groups
+
+
 def _finish(out, c):
     if c is None:
         return out if out.is_contiguous() else out.contiguous()
@@ -337,7 +524,10 @@ def _finish(out, c):
 
 
 def _gmm_grouped_mm(a, b, batch_sizes, sizes, trans_a, trans_b, c):
-    """CUDA path via ``torch._grouped_mm`` (not run on a GPU in this repo).
+    """CUDA and CPU path via ``torch._grouped_mm``.
+
+    ``sizes``: the group sizes as Python ints when they were read on the host, ``None`` when
+    ``batch_sizes`` is used on the device (see :func:`_device_groups`).
 
     ``torch._grouped_mm(mat_a, mat_b, offs=...)`` takes ``offs`` as a 1-D
     **int32 tensor of cumulative end offsets on the operands' device**
@@ -364,6 +554,12 @@ def _gmm_grouped_mm(a, b, batch_sizes, sizes, trans_a, trans_b, c):
     GPUs (pytorch/pytorch#172439), and it costs one small indexed fill.
     """
     mat_a, mat_b = _grouped_mm_operands(a, b, trans_a, trans_b)
+    if sizes is None:
+        groups = _device_groups(batch_sizes, a.shape[0])
+        out = torch._grouped_mm(mat_a, mat_b, offs=groups.offsets)
+        if trans_a:
+            out.masked_fill_(groups.empty, 0)
+        return _finish(out, c)
     offs = torch.cumsum(batch_sizes.to(torch.int64), 0).to(dtype=torch.int32)
     offs = offs.to(device=a.device, non_blocking=True)
     out = torch._grouped_mm(mat_a, mat_b, offs=offs)
@@ -389,7 +585,10 @@ def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
 
     * ``group_list`` is an int64 tensor on the NPU.  ``group_list_type=0``
       means cumulative end offsets (non-decreasing), ``1`` means per-group
-      sizes; we pass the per-group sizes (``batch_sizes``) with type 1.
+      sizes; we pass the per-group sizes with type 1: ``batch_sizes`` itself
+      when it was read on the host (``sizes`` given), else the sizes derived
+      on the device by :func:`_device_groups` (negative sizes clamped, the
+      total clamped to the rows), without a host read.
     * ``split_item`` 2 or 3 makes the output a single tensor (0/1 gives a
       list with one tensor per group).
     * ``group_type=0`` groups the M axis: x [T, K] single tensor, weight a
@@ -410,14 +609,21 @@ def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
     """
     import torch_npu  # lazy: only importable on Ascend machines
 
-    group_list = batch_sizes.to(dtype=torch.int64).to(device=a.device, non_blocking=True)
+    groups = _device_groups(batch_sizes, a.shape[0]) if sizes is None else None
+    if groups is not None:
+        group_list = groups.counts
+    else:
+        group_list = batch_sizes.to(dtype=torch.int64).to(device=a.device, non_blocking=True)
     if trans_a:
         x = a.contiguous().t()            # transposed view, as group_type=2 requires
         w = b.contiguous()
         out = torch_npu.npu_grouped_matmul(
             [x], [w], group_list=group_list, split_item=3,
             group_type=2, group_list_type=1)[0]
-        _zero_empty_groups(out, sizes)
+        if groups is not None:
+            out.masked_fill_(groups.empty, 0)
+        else:
+            _zero_empty_groups(out, sizes)
     else:
         x = a.contiguous()
         w = b.contiguous()
@@ -462,8 +668,10 @@ def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
     Args:
         a: [T, K] (or [T, M] with ``trans_a``).
         b: [E, K, N], [E, N, K] with ``trans_b``, or [T, N] with ``trans_a``.
-        batch_sizes: 1-D CPU int64/int32 tensor of per-group row counts,
-            summing to ``T``.
+        batch_sizes: 1-D int64/int32 tensor of per-group row counts, summing
+            to ``T``: on the CPU (the real package's contract), or on the
+            operands' device, where ``torch._grouped_mm`` and
+            ``npu_grouped_matmul`` use it without a host read (module doc).
         trans_a: compute ``a_g.T @ b_g`` per group -> [E, M, N].
         trans_b: use ``b[g].T``.
         c: optional output buffer of the result's shape/dtype/device; it is
@@ -474,20 +682,35 @@ def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
     Raises ``ValueError`` naming the offending argument before doing any work.
     """
     a, b = _autocast_operands(a, b)
-    if c is not None:
-        return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c)
-    if not torch.compiler.is_compiling():
-        _validate(a, b, batch_sizes, trans_a, trans_b, c)  # errors before dispatch, naming the argument
-    # One opaque node for torch.compile (the group sizes are read on the host inside it); like the
-    # real backend, the result does not carry autograd history.
-    with torch.no_grad():
-        return _gmm_op(a, b, batch_sizes, bool(trans_a), bool(trans_b))
+    if c is None and torch.compiler.is_compiling():
+        # One opaque node for torch.compile (the loop reads the group sizes on the host inside it);
+        # like the real backend, the result does not carry autograd history.
+        with torch.no_grad():
+            return _gmm_op(a, b, batch_sizes, bool(trans_a), bool(trans_b))
+    # Eager: straight to the implementation. Going through the custom op here too cost ~50 us of
+    # host time per call on a CPU (its Python dispatch, and the arguments checked twice), six
+    # times per expert-MLP step.
+    return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c)
 
 
 def _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c):
-    sizes = _validate(a, b, batch_sizes, trans_a, trans_b, c)
+    _validate(a, b, batch_sizes, trans_a, trans_b, c)
     impl = _select_impl(a, b, batch_sizes, trans_a, trans_b)
+    rows = a.shape[0]
+    if _device_sizes(batch_sizes, a) and (impl != IMPL_LOOP or a.numel() == 0 or b.numel() == 0):
+        # Device sizes, and an implementation (or an empty problem) that needs no host read.
+        if _value_checks_enabled():
+            _host_sizes(batch_sizes, rows)  # the checks only; the kernels keep the device sizes
+        sizes = None
+    else:
+        sizes = _host_sizes(batch_sizes, rows)
     with torch.no_grad():
+        if sizes is None and (a.numel() == 0 or b.numel() == 0):
+            # An empty operand: every block is an empty sum (or the result is empty), whatever
+            # the group sizes are, so they need not be read.
+            out = torch.zeros(_output_shape(a, b, batch_sizes.shape[0], trans_a, trans_b),
+                              dtype=a.dtype, device=a.device)
+            return _finish(out, c)
         if impl == IMPL_NPU:
             return _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c)
         if impl == IMPL_GROUPED_MM:

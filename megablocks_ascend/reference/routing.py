@@ -39,14 +39,15 @@ def _binned_ends(bins, capacity):
 
 
 def _gather(x, indices, weights, rows_of_slots, num_rows, top_k):
-    out = torch.zeros((num_rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    kept = rows_of_slots >= 0
-    slots = torch.nonzero(kept).flatten()
-    values = x[slots // top_k]
+    # Every slot writes its row; a dropped slot writes a spare row past the end, which is cut off.
+    # (Selecting the kept slots first would need their count on the host: a sync on a device.)
+    out = torch.zeros((num_rows + 1, x.shape[1]), dtype=x.dtype, device=x.device)
+    rows = torch.where(rows_of_slots >= 0, rows_of_slots, num_rows)
+    values = x[torch.arange(rows_of_slots.shape[0], device=x.device) // top_k]
     if weights is not None:
-        values = (values.float() * weights[slots].float()[:, None]).to(x.dtype)
-    out[rows_of_slots[slots]] = values
-    return out
+        values = (values.float() * weights.float()[:, None]).to(x.dtype)
+    out[rows] = values
+    return out[:num_rows]
 
 
 def _slot_values(y, rows_of_slots):

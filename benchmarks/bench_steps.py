@@ -1,0 +1,460 @@
+"""Layer-step harness: one MegaBlocks MoE / dMoE training step (forward + backward), per variant.
+
+A variant is one value of each field below; the default set is the product of the defaults, and
+``--only FIELD=V1,V2`` (repeatable) picks other values (``--only mode=compile,compile-ro``,
+``--only config=qw128 --only backend=ascend``; ``all`` takes every value of a field):
+
+==========  ================================================  =====================
+field       values                                            default
+==========  ================================================  =====================
+config      ``ds64`` H=2048 ffn=1408 E=64 top_k=6             all four
+            ``qw128`` H=2048 ffn=768 E=128 top_k=8
+            ``mixtral`` H=4096 ffn=14336 E=8 top_k=2
+            ``small`` H=4096 ffn=1792 E=8 top_k=2 (host-bound)
+            (T=8192 tokens each)
+layer       ``dMoE`` (dropless), ``MoE`` (capacity factor 1)   both
+backend     ``ascend`` (ours), ``cuda`` (upstream's kernels)   both
+mode        ``eager``; ``graph``: the whole step captured in   eager, graph
+            one ``torch.cuda.graph`` and replayed;
+            ``compile``: ``torch.compile`` (inductor);
+            ``compile-ro``: ``mode="reduce-overhead"``
+precision   ``bf16`` (bf16 parameters and input);              bf16
+            ``amp-bf16`` (fp32 parameters, step under
+            ``torch.autocast(dtype=bfloat16)``)
+mlp_impl    ``grouped``, ``sparse`` (dMoE only; passed to       grouped
+            ``Arguments``)
+==========  ================================================  =====================
+
+Every variant is one row; a variant that fails (an unsupported combination, a capture that does
+not work) is an error row with the exception, and the run goes on. Per row:
+
+``wall ms``    per step, the median over ``--steps`` consecutive steps of the time between CUDA
+               events recorded on the stream at each step's start: the stream's view of the
+               step, idle gaps (host-bound stretches, syncs) included;
+``host ms``    per step, the median host time of one ``step()`` call (enqueue; a sync inside
+               the step makes it wait);
+``kernel ms``  per step, the sum of the durations of the GPU kernels (and memcpy/memset) that
+               ``torch.profiler`` records over ``--profile-steps`` steps, divided by them;
+``busy``       kernel ms / wall ms;
+``syncs``      synchronizing CUDA calls per eager step (``torch.cuda.set_sync_debug_mode``);
+``vs up``      the wall time of upstream's eager step (``cuda`` backend, ``eager``, same config,
+               layer, precision and mlp_impl) divided by this row's: > 1 is faster;
+``err``        largest relative (L2) error of the step's output and every gradient against
+               upstream's eager step, and ``self`` against this backend's eager step; a row whose
+               error is above ``TOL`` is marked FAIL and not timed.
+
+The layers of one (config, layer, precision, mlp_impl) share their parameters across backends
+and modes, so every row computes the same step from the same values.
+
+    python benchmarks/bench_steps.py                       # default set (H200: a few minutes)
+    python benchmarks/bench_steps.py --only mode=compile,compile-ro --only config=qw128
+    python benchmarks/bench_steps.py --quick               # CPU smoke test (interpreter)
+
+``--quick`` runs tiny configs on the CPU with ``torch`` as the reference backend (no CUDA there):
+it checks that the harness works, and measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
+import torch  # noqa: E402
+
+import bench_routing as br  # noqa: E402
+from megablocks_ascend import backends  # noqa: E402
+
+TOKENS = 8192
+CONFIGS = {
+    "ds64": dict(H=2048, ffn=1408, E=64, k=6),
+    "qw128": dict(H=2048, ffn=768, E=128, k=8),
+    "mixtral": dict(H=4096, ffn=14336, E=8, k=2),
+    "small": dict(H=4096, ffn=1792, E=8, k=2),
+}
+QUICK_TOKENS = 32
+QUICK_CONFIGS = {"tiny": dict(H=64, ffn=128, E=4, k=2), "tiny16": dict(H=32, ffn=64, E=16, k=4)}
+
+FIELDS = {
+    "config": tuple(CONFIGS),
+    "layer": ("dMoE", "MoE"),
+    "backend": ("ascend", "cuda"),
+    "mode": ("eager", "graph", "compile", "compile-ro"),
+    "precision": ("bf16", "amp-bf16"),
+    "mlp_impl": ("grouped", "sparse"),
+}
+DEFAULT = {"config": tuple(CONFIGS), "layer": ("dMoE", "MoE"), "backend": ("ascend", "cuda"),
+           "mode": ("eager", "graph"), "precision": ("bf16",), "mlp_impl": ("grouped",)}
+TOL = 2e-2  # relative L2 error of bf16 steps (different routing kernels round differently)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    config: str
+    layer: str
+    backend: str
+    mode: str
+    precision: str
+    mlp_impl: str
+
+    @property
+    def family(self):
+        """The variants that share parameters (and a reference)."""
+        return (self.config, self.layer, self.precision, self.mlp_impl)
+
+    def name(self):
+        return " ".join(f"{getattr(self, f)}" for f in FIELDS)
+
+
+def select(only, quick):
+    chosen = dict(DEFAULT)
+    if quick:
+        chosen.update(config=tuple(QUICK_CONFIGS), backend=("ascend", "torch"), mode=("eager",))
+    fields = dict(FIELDS, config=tuple(QUICK_CONFIGS) if quick else tuple(CONFIGS),
+                  backend=FIELDS["backend"] + (("torch",) if quick else ()))
+    for term in only:
+        key, _, values = term.partition("=")
+        if key not in fields or not values:
+            raise SystemExit(f"--only {term!r}: expected FIELD=V1[,V2] with FIELD in {', '.join(fields)}")
+        picked = fields[key] if values == "all" else tuple(values.split(","))
+        bad = [v for v in picked if v not in fields[key]]
+        if bad:
+            raise SystemExit(f"--only {term!r}: unknown {key} {bad}; known: {', '.join(fields[key])}")
+        chosen[key] = picked
+    out = []
+    for values in itertools.product(*(chosen[f] for f in FIELDS)):
+        v = Variant(*values)
+        if v.layer == "MoE" and v.mlp_impl != chosen["mlp_impl"][0]:
+            continue  # MoE's experts are a batched matmul: mlp_impl does not apply, one row
+        out.append(v)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# One layer, one step
+
+
+class Case:
+    """The layer (parameters shared by every variant of its family), input and output gradient."""
+
+    def __init__(self, family, device, tokens, configs):
+        from megablocks.layers.arguments import Arguments  # noqa: PLC0415
+        from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
+        from megablocks.layers.moe import MoE  # noqa: PLC0415
+
+        config, layer, precision, mlp_impl = family
+        c = configs[config]
+        self.precision = precision
+        self.device = device
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        torch.manual_seed(0)
+        args = Arguments(hidden_size=c["H"], ffn_hidden_size=c["ffn"], moe_num_experts=c["E"], moe_top_k=c["k"],
+                         moe_capacity_factor=1, mlp_impl=mlp_impl, bf16=precision == "bf16", fp16=False,
+                         return_bias=False,
+                         device=torch.cuda.current_device() if device.type == "cuda" else device)
+        self.layer = {"dMoE": dMoE, "MoE": MoE}[layer](args)
+        gen = torch.Generator(device=device).manual_seed(1)
+        self.x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype).requires_grad_()
+        self.g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype)
+        self.params = [p for p in self.layer.parameters() if p.requires_grad]
+
+    def autocast(self):
+        if self.precision == "amp-bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def zero_grad(self):
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def step_fn(self, module):
+        from megablocks.layers.moe import clear_load_balancing_loss  # noqa: PLC0415
+
+        def step():
+            with self.autocast():
+                y = module(self.x)
+            y.backward(self.g)
+            clear_load_balancing_loss()
+            return y
+        return step
+
+    def results(self, y):
+        return [y] + [t.grad for t in [self.x] + self.params]
+
+
+def rel_err(got, want) -> float:
+    worst = 0.0
+    for a, b in zip(got, want):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                return float("inf")
+            continue
+        worst = max(worst, br.rel_err(a.detach().float(), b.detach().float()))
+    return worst
+
+
+@contextlib.contextmanager
+def backend_env(name):
+    import os  # noqa: PLC0415
+    old = os.environ.get("MEGABLOCKS_BACKEND")
+    os.environ["MEGABLOCKS_BACKEND"] = name
+    try:
+        with backends.use_backend(name):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("MEGABLOCKS_BACKEND", None)
+        else:
+            os.environ["MEGABLOCKS_BACKEND"] = old
+
+
+def build(v, case):
+    """``(step, results)``: a callable running one step in the variant's mode, and a callable
+    returning the tensors the last step produced (output and gradients)."""
+    if v.mode == "eager":
+        step = case.step_fn(case.layer)
+        last = {}
+
+        def run():
+            case.zero_grad()
+            last["y"] = step()
+        return run, lambda: case.results(last["y"])
+    if v.mode in ("compile", "compile-ro"):
+        compiled = torch.compile(case.layer, mode="reduce-overhead" if v.mode == "compile-ro" else None)
+        step = case.step_fn(compiled)
+        last = {}
+
+        def run():
+            case.zero_grad()
+            last["y"] = step()
+        return run, lambda: case.results(last["y"])
+    if v.mode == "graph":
+        if case.device.type != "cuda":
+            raise RuntimeError("graph mode needs CUDA (torch.cuda.graph)")
+        step = case.step_fn(case.layer)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                case.zero_grad()
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        case.zero_grad()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+        static = case.results(y)  # the graph writes these on every replay
+
+        def replay():
+            graph.replay()
+        return replay, lambda: static
+    raise ValueError(v.mode)
+
+
+def time_steps(run, device, steps):
+    """``(wall ms, host ms)`` per step, medians over ``steps`` consecutive steps."""
+    host = []
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        for i in range(steps):
+            events[i].record()
+            t0 = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - t0) * 1e3)
+        events[steps].record()
+        torch.cuda.synchronize()
+        wall = [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+        return statistics.median(wall), statistics.median(host)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        host.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(host), statistics.median(host)
+
+
+def kernel_ms(run, device, steps):
+    """GPU time per step: the kernels (and memcpy/memset) torch.profiler records, summed."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+    return total / steps / 1e3 if total else None
+
+
+def count_syncs(run, device):
+    """Synchronizing CUDA calls in one step (torch's sync debug mode, as warnings)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_variant(v, case, reference, eager_of_backend, args, device):
+    row = dataclasses.asdict(v)
+    with backend_env(v.backend):
+        run, results = build(v, case)
+        for _ in range(args.warmup):
+            run()
+        run()
+        got = [t.detach().clone() if t is not None else None for t in results()]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if reference is not None:
+            row["err"] = rel_err(got, reference)
+        if eager_of_backend is not None and v.mode != "eager":
+            row["err_self"] = rel_err(got, eager_of_backend)
+        row["ok"] = all(row.get(k, 0.0) <= TOL for k in ("err", "err_self"))
+        if not row["ok"]:
+            return row, got
+        row["wall_ms"], row["host_ms"] = time_steps(run, device, args.steps)
+        row["kernel_ms"] = kernel_ms(run, device, args.profile_steps)
+        if row["kernel_ms"]:
+            row["busy"] = row["kernel_ms"] / row["wall_ms"]
+        if v.mode == "eager":
+            row["syncs"] = count_syncs(run, device)
+    return row, got
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (smoke test)")
+    ap.add_argument("--only", action="append", default=[], metavar="FIELD=V1,V2",
+                    help="pick values of a field (repeatable); see the module doc")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--name", default="bench_steps")
+    args = ap.parse_args(argv)
+    device = br.setup()
+    if device.type == "cpu" and not args.quick:
+        ap.error("without a GPU only --quick runs (Triton interpreter)")
+    args.steps = args.steps or (3 if args.quick else 20)
+    if args.quick:
+        args.warmup = min(args.warmup, 1)
+    configs = QUICK_CONFIGS if args.quick else CONFIGS
+    tokens = QUICK_TOKENS if args.quick else TOKENS
+    reference_backend = "torch" if device.type == "cpu" else "cuda"
+    variants = select(args.only, args.quick)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log, lines = br.logger()
+    env = br.environment(device)
+    env.update(tokens=tokens, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
+               reference_backend=reference_backend, kernel_time="torch.profiler, CUDA kernels + memcpy/memset",
+               wall_time="CUDA events at each step's start (median)")
+    log(f"environment: {json.dumps(env)}")
+    log(f"{len(variants)} variants")
+    report = {"environment": env, "configs": {k: dict(configs[k], T=tokens) for k in configs}, "rows": []}
+    t_start = time.perf_counter()
+
+    families = {}
+    for v in variants:
+        families.setdefault(v.family, []).append(v)
+    for family, members in families.items():
+        try:
+            case = Case(family, device, tokens, configs)
+        except Exception as e:  # noqa: BLE001
+            for v in members:
+                report["rows"].append(dict(dataclasses.asdict(v), error=f"{type(e).__name__}: {e}"))
+                log(f"  {v.name():55s} ERROR {type(e).__name__}: {str(e)[:160]}")
+            continue
+        # The reference (upstream eager) first, then each backend's eager (run for the ``self``
+        # check even where not asked for: those rows say reference_only), then the rest.
+        def eager_of(backend):
+            return Variant(family[0], family[1], backend, "eager", family[2], family[3])
+        ref_v = eager_of(reference_backend)
+        needed = set(members) | {ref_v} | {eager_of(v.backend) for v in members}
+        order = sorted(needed, key=lambda v: (v != ref_v, v.mode != "eager", v.backend, v.mode))
+        reference, eager = None, {}
+        for v in order:
+            try:
+                row, got = run_variant(v, case, reference, eager.get(v.backend), args, device)
+            except Exception as e:  # noqa: BLE001
+                row = dict(dataclasses.asdict(v), error=f"{type(e).__name__}: {str(e)[:500]}",
+                           trace=traceback.format_exc(limit=4)[-1500:])
+                got = None
+            if v == ref_v:
+                reference = got
+            if v not in members:
+                row["reference_only"] = True
+            if v.mode == "eager" and got is not None:
+                eager[v.backend] = got
+            report["rows"].append(row)
+            log(f"  {v.name():55s} " + (f"ERROR {row['error'][:160]}" if "error" in row else
+                                        f"wall {row.get('wall_ms', float('nan')):8.3f} ms  err {row.get('err', 0):.1e}"
+                                        + ("" if row["ok"] else "  FAIL")))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        del case
+        br.free(device)
+        (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+
+    upstream = {(r["config"], r["layer"], r["precision"], r["mlp_impl"]): r["wall_ms"]
+                for r in report["rows"] if r["backend"] == reference_backend and r["mode"] == "eager"
+                and r.get("wall_ms")}
+    for r in report["rows"]:
+        base = upstream.get((r["config"], r["layer"], r["precision"], r["mlp_impl"]))
+        if base and r.get("wall_ms"):
+            r["vs_up"] = base / r["wall_ms"]
+    report["seconds"] = time.perf_counter() - t_start
+    (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    log("")
+    log(table(report["rows"]))
+    log(f"({report['seconds']:.0f} s; vs up = upstream eager wall / this wall, {reference_backend} backend)")
+    (out_dir / f"{args.name}.log").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def table(rows):
+    def f(r, key, fmt, width):
+        v = r.get(key)
+        return format(v, fmt).rjust(width) if v is not None else "-".rjust(width)
+    head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} "
+            f"{'wall ms':>8s} {'host ms':>8s} {'kern ms':>8s} {'busy':>5s} {'syncs':>5s} {'vs up':>6s} "
+            f"{'err':>8s} {'self':>8s}")
+    out = [head]
+    for r in rows:
+        lead = (f"{r['config']:8s} {r['layer']:5s} {r['backend']:7s} {r['mode']:10s} {r['precision']:8s} "
+                f"{r['mlp_impl']:7s} ")
+        if "error" in r:
+            out.append(lead + "ERROR " + r["error"].splitlines()[0][:100])
+            continue
+        out.append(lead + f(r, "wall_ms", ".3f", 8) + " " + f(r, "host_ms", ".3f", 8) + " "
+                   + f(r, "kernel_ms", ".3f", 8) + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
+                   + " " + f(r, "vs_up", ".2f", 5) + "x " + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
+                   + ("" if r.get("ok", True) else "  FAIL"))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
