@@ -98,9 +98,10 @@ SWEEP = {  # candidate tiles per call form (2-byte operands, block size 128); th
 # The weight gradients' K loops are short (one expert's block column): besides dsd's candidates,
 # 128 x 128 tiles with two programs per SM (smem and registers allow two), so that one program's
 # epilogue overlaps the other's main loop.
-SWEEP["dsdT"] = SWEEP["dsd"] + [T_(128, 128, 64, 8, 8, 3, 2), T_(128, 128, 64, 8, 4, 3, 2),
-                                T_(64, 256, 64, 8, 4, 2, 2), T_(128, 256, 64, 8, 8, 2, 1),
-                                T_(128, 128, 128, 8, 8, 2, 1)]
+SWEEP["dsdT"] = list(dict.fromkeys(  # the first: the transposed table's default (devices.py)
+    [T_(128, 256, 128, 8, 8, 2, 1)] + SWEEP["dsd"]
+    + [T_(128, 128, 64, 8, 8, 3, 2), T_(128, 128, 64, 8, 4, 3, 2), T_(64, 256, 64, 8, 4, 2, 2),
+       T_(128, 256, 64, 8, 8, 2, 1), T_(128, 128, 128, 8, 8, 2, 1)]))
 QUICK_SWEEP = {"sdd": [T_(128, 128, 128), T_(64, 64, 64, 2)]}
 TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}  # relative Frobenius error
 

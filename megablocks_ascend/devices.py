@@ -58,8 +58,10 @@ choice; the budget keeps each K-step's slices within L0 so it need not split the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 
 import torch
 
@@ -134,6 +136,35 @@ def capturing(device: torch.device) -> bool:
         query = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
         return True if query is None else bool(query())
     return False
+
+
+class _NoReuse(threading.local):
+    depth = 0
+
+
+_no_reuse = _NoReuse()
+
+
+@contextlib.contextmanager
+def no_reuse():
+    """Within this block, kernels compute what they would otherwise reuse from an earlier call of
+    the step (the route map kept on ``indices``). The ``torch.library`` custom ops that compiled
+    graphs call run in it: under CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) a
+    compiled graph's warm-up runs outside a capture but allocates from the graph's pool, and a
+    tensor kept on one of the graph's tensors would outlive it untracked, which CUDA-graph trees
+    refuse ("tensor(s) in the cudagraph pool not tracked as outputs")."""
+    _no_reuse.depth += 1
+    try:
+        yield
+    finally:
+        _no_reuse.depth -= 1
+
+
+def reuse_allowed(device: torch.device) -> bool:
+    """Whether a kernel may keep a result for later calls of the step and reuse one: not inside
+    :func:`no_reuse`, and not while a graph is being captured on ``device`` (each captured call
+    records its own launches)."""
+    return _no_reuse.depth == 0 and not capturing(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -313,8 +344,13 @@ CUDA_CUBE_TILES = {
 # gradients). Their K loops are short (one block column of one expert: ~2k deep at the mixtral-like
 # shape, against ~14k for the forward dsd), so each tile's epilogue weighs more and a tile that lets
 # two programs share an SM, one storing while the other multiplies, can win. Kinds without an
-# entry here use CUDA_CUBE_TILES.
-CUDA_CUBE_TILES_TRANSPOSED: dict[str, tuple[CubeTile, CubeTile]] = {}
+# entry here use CUDA_CUBE_TILES. Measured on an H200 (benchmarks/results/h200-bs2.log, sweep):
+# 128 x 256 x 128 (one K step per block), 2 stages, took dsd^T from 66% to 77% of a dense cuBLAS
+# matmul of the same FLOPs at the mixtral-like shape (4.30 -> 3.75 ms), 70% -> 80% at the fine one.
+CUDA_CUBE_TILES_TRANSPOSED: dict[str, tuple[CubeTile, CubeTile]] = {
+    "dsd": (CubeTile(128, 256, 128, group=8, num_warps=8, num_stages=2, programs_per_sm=1),
+            CUDA_CUBE_TILES["dsd"][1]),
+}
 
 
 @functools.lru_cache(maxsize=4096)  # called on every launch; a pure function of its arguments

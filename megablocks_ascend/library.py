@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from megablocks_ascend import backends, validation
+from megablocks_ascend import backends, devices, validation
 
 _NS = "megablocks_ascend"
 
@@ -28,7 +28,8 @@ _NS = "megablocks_ascend"
 @torch.library.custom_op(f"{_NS}::binned_gather", mutates_args=())
 def binned_gather(x: Tensor, indices: Tensor, weights: Optional[Tensor], bins: Tensor,
                   expert_capacity: int, top_k: int) -> Tensor:
-    return backends.KERNELS["binned_gather"](x, indices, weights, bins, expert_capacity, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["binned_gather"](x, indices, weights, bins, expert_capacity, top_k)
 
 
 @binned_gather.register_fake
@@ -38,7 +39,8 @@ def _(x, indices, weights, bins, expert_capacity, top_k):
 
 @torch.library.custom_op(f"{_NS}::binned_scatter", mutates_args=())
 def binned_scatter(x: Tensor, indices: Tensor, weights: Optional[Tensor], bins: Tensor, top_k: int) -> Tensor:
-    return backends.KERNELS["binned_scatter"](x, indices, weights, bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["binned_scatter"](x, indices, weights, bins, top_k)
 
 
 @binned_scatter.register_fake
@@ -48,7 +50,8 @@ def _(x, indices, weights, bins, top_k):
 
 @torch.library.custom_op(f"{_NS}::binned_scatter_wgrad", mutates_args=())
 def binned_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bins: Tensor, top_k: int) -> Tensor:
-    return backends.KERNELS["binned_scatter_wgrad"](x, grad, indices, bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["binned_scatter_wgrad"](x, grad, indices, bins, top_k)
 
 
 @binned_scatter_wgrad.register_fake
@@ -59,7 +62,8 @@ def _(x, grad, indices, bins, top_k):
 @torch.library.custom_op(f"{_NS}::gather", mutates_args=())
 def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
            top_k: int) -> Tensor:
-    return backends.KERNELS["gather"](x, indices, bin_ids, weights, bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["gather"](x, indices, bin_ids, weights, bins, top_k)
 
 
 @gather.register_fake
@@ -70,7 +74,8 @@ def _(x, indices, bin_ids, weights, bins, top_k):
 @torch.library.custom_op(f"{_NS}::scatter", mutates_args=())
 def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
             top_k: int) -> Tensor:
-    return backends.KERNELS["scatter"](x, indices, bin_ids, weights, bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["scatter"](x, indices, bin_ids, weights, bins, top_k)
 
 
 @scatter.register_fake
@@ -81,7 +86,8 @@ def _(x, indices, bin_ids, weights, bins, top_k):
 @torch.library.custom_op(f"{_NS}::scatter_wgrad", mutates_args=())
 def scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
                   top_k: int) -> Tensor:
-    return backends.KERNELS["scatter_wgrad"](x, grad, indices, bin_ids, bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["scatter_wgrad"](x, grad, indices, bin_ids, bins, top_k)
 
 
 @scatter_wgrad.register_fake
@@ -92,7 +98,8 @@ def _(x, grad, indices, bin_ids, bins, top_k):
 @torch.library.custom_op(f"{_NS}::padded_gather", mutates_args=())
 def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
                   padded_bins: Tensor, top_k: int) -> Tensor:
-    return backends.KERNELS["padded_gather"](x, indices, bin_ids, weights, bins, padded_bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["padded_gather"](x, indices, bin_ids, weights, bins, padded_bins, top_k)
 
 
 @padded_gather.register_fake
@@ -104,7 +111,8 @@ def _(x, indices, bin_ids, weights, bins, padded_bins, top_k):
 @torch.library.custom_op(f"{_NS}::padded_scatter", mutates_args=())
 def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
                    padded_bins: Tensor, top_k: int) -> Tensor:
-    return backends.KERNELS["padded_scatter"](x, indices, bin_ids, weights, bins, padded_bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["padded_scatter"](x, indices, bin_ids, weights, bins, padded_bins, top_k)
 
 
 @padded_scatter.register_fake
@@ -115,7 +123,8 @@ def _(x, indices, bin_ids, weights, bins, padded_bins, top_k):
 @torch.library.custom_op(f"{_NS}::padded_scatter_wgrad", mutates_args=())
 def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
                          padded_bins: Tensor, top_k: int) -> Tensor:
-    return backends.KERNELS["padded_scatter_wgrad"](x, grad, indices, bin_ids, bins, padded_bins, top_k)
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+        return backends.KERNELS["padded_scatter_wgrad"](x, grad, indices, bin_ids, bins, padded_bins, top_k)
 
 
 @padded_scatter_wgrad.register_fake

@@ -252,7 +252,8 @@ def test_a_layer_built_under_ours_and_run_under_cuda_is_guarded_on_every_call(mo
     with megablocks_ascend.use_backend("torch"):
         expected, _ = layer(x)
     clear_load_balancing_loss()
-    assert rel(out, expected) < 1e-5
+    # stk's float32 tl.dot runs in TF32 on CUDA (10 mantissa bits per product), exact elsewhere
+    assert rel(out, expected) < (5e-3 if device.type == "cuda" else 1e-5)
     if device.type == "cpu":
         monkeypatch.setattr(backends, "resolve", lambda d: "cuda")
     monkeypatch.setattr(backends, "_INT16_LIMIT", 128)  # now 256 rows already "wrap"

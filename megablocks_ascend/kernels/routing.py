@@ -598,9 +598,9 @@ def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, n
                                   block_m=block_m, num_programs=num_programs)
 
     if indices.is_inference() or bins.is_inference() or (padded_bins is not None and padded_bins.is_inference()) \
-            or devices.capturing(indices.device):
+            or not devices.reuse_allowed(indices.device):
         # Inference tensors have no version counter to tell an in-place change; a capture keeps
-        # its own launches (see above).
+        # its own launches, and compiled graphs keep nothing (devices.no_reuse).
         return compute()
     maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
     key = (layout, capacity)

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import types
 
 import torch
@@ -468,6 +469,13 @@ def _capturing(device: torch.device) -> bool:
     return False
 
 
+class _CustomOpDepth(threading.local):
+    depth = 0
+
+
+_in_custom_op = _CustomOpDepth()  # > 0 while _gmm_op (the op compiled graphs call) runs
+
+
 class _DeviceGroups:
     """Group ends and the quantities derived from them, computed on the device from
     ``batch_sizes`` without reading it: ``ends[g] = min(sum(max(batch_sizes[:g+1], 0)), rows)``,
@@ -506,8 +514,10 @@ def _device_groups(batch_sizes, rows: int) -> _DeviceGroups:
     and kept on the tensor object itself, so the GEMMs of one step (forward and backward get
     the same ``tokens_per_expert``) share it and it dies with the tensor. Not reused while a
     graph is being captured: each captured call records its own small kernels."""
-    if batch_sizes.is_inference() or _capturing(batch_sizes.device):
-        return _DeviceGroups(None, batch_sizes, rows)   # no version counter / inside a capture
+    if batch_sizes.is_inference() or _capturing(batch_sizes.device) or _in_custom_op.depth:
+        # No version counter / inside a capture / inside a compiled graph (where a tensor kept on
+        # one of the graph's tensors would outlive the graph untracked: CUDA-graph trees refuse it).
+        return _DeviceGroups(None, batch_sizes, rows)
     key = (batch_sizes._version, rows)
     groups = batch_sizes.__dict__.get(_GROUPS_ATTR)
     if groups is None or groups.key != key:
@@ -724,7 +734,11 @@ def _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c):
 @torch.library.custom_op("megablocks_ascend::gmm", mutates_args=())
 def _gmm_op(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_a: bool,
             trans_b: bool) -> torch.Tensor:
-    return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, None)
+    _in_custom_op.depth += 1
+    try:
+        return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, None)
+    finally:
+        _in_custom_op.depth -= 1
 
 
 @_gmm_op.register_fake
