@@ -1,9 +1,10 @@
 """The block-sparse kernels (``kernels/blocksparse.py``) against float64 dense references.
 
-Every sparse operand is built here from a block mask (BCSR metadata and the transpose metadata
-computed independently of the kernels, the way MegaBlocks' ``sparse_transpose`` does: a stable
-sort of the column indices), its dense float64 form from the same blocks; every output is poisoned
-with NaN first, so an element the kernel does not write fails the check.
+Every sparse operand is built from a block mask with ``tests/blocksparse_impl.py`` (BCSR metadata
+and the transpose metadata in plain Python, independently of the kernels, in the order MegaBlocks'
+``sparse_transpose`` gives: column by column, rows ascending), its dense float64 form from the same
+blocks; every output is poisoned with NaN first, so an element the kernel does not write fails the
+check.
 
 Inputs are drawn on the CPU and the kernels run on the ``device`` fixture's device (the CPU
 interpreter by default; ``MEGABLOCKS_ASCEND_TEST_DEVICE=cuda TRITON_INTERPRET=0`` runs this file
@@ -18,6 +19,8 @@ import itertools
 import pytest
 import torch
 
+import blocksparse_impl as ref
+from blocksparse_impl import Topology, topology
 from megablocks_ascend import devices
 from megablocks_ascend.kernels import blocksparse as bs
 
@@ -28,42 +31,19 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 PATTERNS = ("random", "holes", "one", "all", "megablocks")
 
 
-@dataclasses.dataclass
-class Topology:
-    block: int
-    rows: int  # block rows
-    cols: int  # block columns
-    row_indices: torch.Tensor
-    column_indices: torch.Tensor
-    offsets: torch.Tensor
-    column_indices_t: torch.Tensor
-    offsets_t: torch.Tensor
-    block_offsets_t: torch.Tensor
-
-    @property
-    def nnz(self) -> int:
-        return self.row_indices.numel()
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows * self.block, self.cols * self.block)
-
-    def meta(self):
-        """(offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t)."""
-        return (self.offsets, self.row_indices, self.column_indices, self.offsets_t, self.column_indices_t,
-                self.block_offsets_t)
-
-
 def topology_from_mask(mask: torch.Tensor, block: int, index_dtype=torch.int16) -> Topology:
+    """The BCSR topology (``blocksparse_impl.topology``) of the blocks a ``[rows, cols]`` mask sets."""
     rows, cols = mask.shape
-    r, c = mask.nonzero(as_tuple=True)  # row-major block order
-    offsets = torch.zeros(rows + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(mask.sum(1), 0)
-    order = torch.sort(c, stable=True).indices  # blocks column by column, rows ascending
-    offsets_t = torch.zeros(cols + 1, dtype=torch.int32)
-    offsets_t[1:] = torch.cumsum(mask.sum(0), 0)
-    return Topology(block, rows, cols, r.to(index_dtype), c.to(index_dtype), offsets, r[order].to(index_dtype),
-                    offsets_t, order.to(torch.int32))
+    return topology((rows * block, cols * block), block, [tuple(rc) for rc in mask.nonzero().tolist()],
+                    index_dtype)
+
+
+def stk_metadata(topo: Topology):
+    """The metadata in the order stk's dsd/dds take them: offsets, row_indices, column_indices,
+    offsets_t, column_indices_t, block_offsets_t."""
+    m = topo.metadata()
+    return tuple(m[k] for k in ("offsets", "row_indices", "column_indices", "offsets_t", "column_indices_t",
+                                "block_offsets_t"))
 
 
 def block_mask(pattern: str, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
@@ -97,15 +77,6 @@ def block_mask(pattern: str, rows: int, cols: int, gen: torch.Generator) -> torc
 
 def make_topology(pattern, rows, cols, block, gen, index_dtype=torch.int16) -> Topology:
     return topology_from_mask(block_mask(pattern, rows, cols, gen), block, index_dtype)
-
-
-def dense_of(topo: Topology, data: torch.Tensor) -> torch.Tensor:
-    b = topo.block
-    out = torch.zeros(topo.shape, dtype=torch.float64)
-    for i in range(topo.nnz):
-        r, c = int(topo.row_indices[i]), int(topo.column_indices[i])
-        out[r * b:(r + 1) * b, c * b:(c + 1) * b] = data[i].double()
-    return out
 
 
 DEV = torch.device("cpu")  # where the kernels run: set from the device fixture
@@ -169,24 +140,24 @@ def run_sdd(topo, k, dtype, gen, lhs_layout="row", rhs_layout="row", **launch):
 def run_dsd(topo, n, dtype, gen, transpose_a, rhs_layout="row", out_layout="row", **launch):
     b = topo.block
     data = torch.randn(topo.nnz, b, b, generator=gen).to(dtype)
-    dense = dense_of(topo, data)
-    a = dense.t() if transpose_a else dense
+    full = ref.dense(topo, data)
+    a = full.t() if transpose_a else full
     m, k = a.shape
     rhs = randn(k, n, dtype=dtype, gen=gen, layout=rhs_layout)
     out = on(poisoned(m, n, dtype=dtype, layout=out_layout))
-    bs.dsd((m, k), on(data), *on(*topo.meta()), transpose_a, on(rhs), out, **launch)
+    bs.dsd((m, k), on(data), *on(*stk_metadata(topo)), transpose_a, on(rhs), out, **launch)
     return out.cpu(), a @ rhs.double()
 
 
 def run_dds(topo, m, dtype, gen, transpose_b, lhs_layout="row", out_layout="row", **launch):
     b = topo.block
     data = torch.randn(topo.nnz, b, b, generator=gen).to(dtype)
-    dense = dense_of(topo, data)
-    s = dense.t() if transpose_b else dense
+    full = ref.dense(topo, data)
+    s = full.t() if transpose_b else full
     k, n = s.shape
     lhs = randn(m, k, dtype=dtype, gen=gen, layout=lhs_layout)
     out = on(poisoned(m, n, dtype=dtype, layout=out_layout))
-    bs.dds(on(lhs), (k, n), on(data), *on(*topo.meta()), transpose_b, out, **launch)
+    bs.dds(on(lhs), (k, n), on(data), *on(*stk_metadata(topo)), transpose_b, out, **launch)
     return out.cpu(), lhs.double() @ s
 
 
@@ -481,7 +452,7 @@ def test_matches_stk_kernels_where_they_are_correct():
     topo = make_topology("holes", 2, 3, 128, gen)
     dtype = torch.float16  # the interpreter's tl.dot is wrong on bfloat16, and stk does not widen
     m, n = topo.shape
-    meta = on(*topo.meta())
+    meta = on(*stk_metadata(topo))
     lhs, rhs = on(randn(m, 128, dtype=dtype, gen=gen), randn(128, n, dtype=dtype, gen=gen, layout="col"))
     ours, theirs = on(poisoned(topo.nnz, 128, 128, dtype=dtype), poisoned(topo.nnz, 128, 128, dtype=dtype))
     bs.sdd(lhs, rhs, topo.shape, ours, meta[0], meta[1], meta[2])
