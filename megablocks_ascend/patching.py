@@ -322,18 +322,25 @@ def _apply_resolve_dtensor(p: Patch) -> None:
 RESOLVE_DTENSOR = ("megablocks.layers.mlp.resolve_dtensor", "megablocks.layers.glu.resolve_dtensor")
 
 
-def _apply_kernels(p: Patch) -> None:
-    from megablocks_ascend import backends  # noqa: PLC0415
-    import megablocks.backend.kernels as upstream  # noqa: PLC0415
-    for name, dispatcher in backends.KERNELS.items():
-        target = f"megablocks.backend.kernels.{name}"
-        current = getattr(upstream, name, None)
+def _replace_dispatched(p: Patch, module, replacements: dict, specs: dict, upstream: dict) -> None:
+    """Replace each ``module.<name>`` by ``replacements[name]`` after checking that upstream's
+    function still takes ``specs[name][0]``, and record upstream's function in ``upstream`` (the
+    ``cuda`` backend calls it). A function that is already ours (a second install) is not recorded."""
+    for name, replacement in replacements.items():
+        target = f"{module.__name__}.{name}"
+        current = getattr(module, name, None)
         if current is None:
             raise PatchError(f"{target} is missing")
         if not getattr(current, "__megablocks_ascend__", False):
-            _expect_params(target, current, backends.SPECS[name][0])
-            backends.UPSTREAM[name] = current
-        p.replace(target, dispatcher)
+            _expect_params(target, current, specs[name][0])
+            upstream[name] = current
+        p.replace(target, replacement)
+
+
+def _apply_kernels(p: Patch) -> None:
+    from megablocks_ascend import backends  # noqa: PLC0415
+    import megablocks.backend.kernels as upstream  # noqa: PLC0415
+    _replace_dispatched(p, upstream, backends.KERNELS, backends.SPECS, backends.UPSTREAM)
 
 
 def _apply_ops(p: Patch) -> None:
@@ -355,15 +362,7 @@ def _apply_ops(p: Patch) -> None:
 def _apply_stk_kernels(p: Patch) -> None:
     from megablocks_ascend import backends, library  # noqa: PLC0415
     import stk.backend.triton_kernels as upstream  # noqa: PLC0415
-    for name, entry in library.STK_ENTRY_POINTS.items():
-        target = f"stk.backend.triton_kernels.{name}"
-        current = getattr(upstream, name, None)
-        if current is None:
-            raise PatchError(f"{target} is missing")
-        if not getattr(current, "__megablocks_ascend__", False):
-            _expect_params(target, current, backends.STK_SPECS[name][0])
-            backends.UPSTREAM_STK[name] = current
-        p.replace(target, entry)
+    _replace_dispatched(p, upstream, library.STK_ENTRY_POINTS, backends.STK_SPECS, backends.UPSTREAM_STK)
 
 
 SPARSE_REFUSAL = "Sparse MLP is not supported with triton"
