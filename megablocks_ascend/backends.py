@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from megablocks_ascend import compat, envs, reference, validation
-from megablocks_ascend.kernels import blocksparse, routing
+from megablocks_ascend import compat, devices, envs, reference, validation
+from megablocks_ascend.kernels import blocksparse, preparation, routing
 
 BACKENDS = envs.BACKENDS
 _AUTO = {"npu": "ascend", "cuda": "cuda", "cpu": "torch"}
@@ -217,6 +217,70 @@ def _make_dispatcher(name: str) -> Callable:
 
 KERNELS: dict[str, Callable] = {name: _make_dispatcher(name) for name in SPECS}
 globals().update(KERNELS)
+
+
+# ------------------------------------------------------------------------------------------
+# The routing preparation: the router's expert ids -> indices, bin_ids, bins, tokens_per_expert
+# (and padded_bins), as MegaBlocks' layers compute them before their routing calls.
+
+
+def end_bit(num_experts: int) -> int:
+    """The bits MegaBlocks' radix sort looks at for ``num_experts`` ids (``ParallelMLP.sort_end_bit``:
+    ``max(ceil(log2(num_experts)), 1)``)."""
+    return max((num_experts - 1).bit_length(), 1)
+
+
+def upstream_preparation(top_experts, num_experts, block=0, route=-1, capacity=0):
+    """MegaBlocks' own sequence (``ParallelMLP.indices_and_bins``, ``ParallelDroplessMLP.
+    indices_and_padded_bins``): ``ops.sort``, ``ops.histogram``, ``ops.inclusive_cumsum`` (and
+    ``ops.round_up`` with a second cumsum for ``padded_bins``), through whichever
+    ``megablocks_ops`` is installed (the CUDA extension, or the plugin's stand-in)."""
+    del route, capacity  # upstream's kernels need no route map
+    import megablocks.ops as mops  # noqa: PLC0415
+    top = top_experts.reshape(-1).int()
+    bin_ids, indices = mops.sort(top, end_bit(num_experts))
+    tokens_per_expert = mops.histogram(top, num_experts)
+    bins = mops.inclusive_cumsum(tokens_per_expert, 0)
+    bins = bins.view(1) if not bins.dim() else bins
+    padded_bins = None
+    if block:
+        padded_bins = mops.inclusive_cumsum(mops.round_up(tokens_per_expert, block), 0)
+        padded_bins = padded_bins.view(1) if not padded_bins.dim() else padded_bins
+    return indices, bin_ids, bins, tokens_per_expert, padded_bins
+
+
+def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
+    """``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the router's expert ids
+    (``padded_bins`` None when ``block`` is 0), served by the backend ``MEGABLOCKS_BACKEND`` selects:
+    our two-launch counting sort (``ascend``, which also writes the route map of layout ``route``
+    for the step's routing calls), the plain-PyTorch reference (``torch``) or MegaBlocks' own
+    sort / histogram / cumsum sequence (``cuda``). See :func:`validation.check_preparation`."""
+    validation.check_preparation("prepare_routing", top_experts=top_experts, num_experts=num_experts, block=block,
+                                 route=route, capacity=capacity)
+    device = top_experts.device
+    backend = resolve(device)
+    if backend == "ascend" and num_experts > devices.MAX_PREP_KEYS:
+        raise BackendUnavailable(
+            f"MEGABLOCKS_BACKEND=ascend: our routing preparation sorts up to {devices.MAX_PREP_KEYS} experts, not "
+            f"{num_experts}; use MEGABLOCKS_BACKEND=torch")
+    _record("prepare_routing", backend, device)
+    if backend == "ascend":
+        return preparation.prepare_routing(top_experts, num_experts, block, route, capacity)
+    if backend == "torch":
+        return reference.prepare_routing(top_experts, num_experts, block, route, capacity)
+    return upstream_preparation(top_experts, num_experts, block, route, capacity)
+
+
+def kernels_serve_sort(op: str, x: torch.Tensor, num_keys: int) -> bool:
+    """Whether our counting-sort kernels serve the ``megablocks_ops`` stand-in's ``op`` (``sort`` or
+    ``histogram``) for ``x``: where the backend for its device is ``ascend`` and the keys are at
+    most ``devices.MAX_PREP_KEYS`` (recorded in :func:`trace` then). Elsewhere the stand-in's
+    PyTorch code serves it, as it always did: the stand-in is what MegaBlocks' own ``ops.sort`` and
+    ``ops.histogram`` call (under ``cuda`` too, where the CUDA extension is not built)."""
+    if resolve(x.device) != "ascend" or num_keys > devices.MAX_PREP_KEYS:
+        return False
+    _record(op, "ascend", x.device)
+    return True
 
 
 # ------------------------------------------------------------------------------------------

@@ -160,6 +160,11 @@ def no_reuse():
         _no_reuse.depth -= 1
 
 
+def no_reuse_depth() -> int:
+    """How many :func:`no_reuse` blocks this thread is in (0: kernels may keep and reuse results)."""
+    return _no_reuse.depth
+
+
 def reuse_allowed(device: torch.device) -> bool:
     """Whether a kernel may keep a result for later calls of the step and reuse one: not inside
     :func:`no_reuse`, and not while a graph is being captured on ``device`` (each captured call
@@ -238,6 +243,41 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
     if device_target == "interpreter":
         return Tile(64, min(hidden_pow2, 256))
     raise ValueError(f"unknown target {device_target!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The routing preparation (kernels/preparation.py): a counting sort of expert ids. Its work tiles are
+# [BLOCK_M, BLOCK_E] (which of BLOCK_E keys each of BLOCK_M items has), with BLOCK_E the next power
+# of two of the number of keys; a tile and the few int32 tiles derived from it (its int32 copy,
+# its scan along the items, a selection) are live at once. On an NPU they are computed, not loaded
+# (no double buffering): 4096 elements make ~5 x 16 KiB, a third of the UB budget. On CUDA 4096
+# elements are 32 per thread of 4 warps per tile. The interpreter's cost is per tile operation.
+
+MAX_PREP_KEYS = 1024  # experts (or sort keys) the counting sort takes; BLOCK_E up to this
+PREP_TILE_ELEMENTS = {"npu": 4096, "cuda": 4096, "interpreter": 16384}
+PREP_MAX_BLOCK_M = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepTile:
+    block_m: int  # items per block of the walk (a power of two)
+    num_warps: int = 4  # CUDA only
+
+
+@functools.lru_cache(maxsize=1024)
+def prep_tile(num_keys: int, device_target: str) -> PrepTile:
+    """The routing preparation's block of items for ``num_keys`` keys on ``device_target``."""
+    if device_target not in PREP_TILE_ELEMENTS:
+        raise ValueError(f"unknown target {device_target!r}")
+    if not 1 <= num_keys <= MAX_PREP_KEYS:
+        raise ValueError(f"the routing preparation takes 1 to {MAX_PREP_KEYS} keys, not {num_keys}")
+    block_m = max(PREP_TILE_ELEMENTS[device_target] // block_e(num_keys), 1)
+    return PrepTile(min(block_m, PREP_MAX_BLOCK_M))
+
+
+def prep_block_p(programs: int, block_e_: int) -> int:
+    """Rows of the per-program histogram table read at once (``BLOCK_P``), within the same tile budget."""
+    return max(min(_next_pow2(programs), PREP_TILE_ELEMENTS["npu"] // block_e_), 1)
 
 
 # --------------------------------------------------------------------------------------------

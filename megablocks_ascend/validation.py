@@ -99,6 +99,39 @@ def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=
         check_values(op, indices=indices, bins=bins, bin_ids=bin_ids, weights=weights, padded_bins=padded_bins)
 
 
+_INT32_MAX = 2**31 - 1
+ROUTE_LAYOUTS = (-1, 0, 1, 2)  # none, and routing.DROPLESS, PADDED, BINNED
+
+
+def check_preparation(op, *, top_experts, num_experts, block, route, capacity):
+    """Validate one routing preparation: the router's expert ids ``top_experts`` ([tokens, top_k]
+    or flat, int32/int64), ``num_experts`` (>= 1), ``block`` (round each expert's count up to a
+    multiple of it for ``padded_bins``; 0: no ``padded_bins``), the route-map layout ``route``
+    (-1: none) and the binned ``capacity``. Sizes must keep every result in int32. With
+    ``MEGABLOCKS_ASCEND_CHECKS=1``, every id must lie in ``[0, num_experts)`` (a sync)."""
+    if not (isinstance(top_experts, torch.Tensor) and top_experts.ndim in (1, 2) and top_experts.dtype in INDEX_DTYPES):
+        if not isinstance(top_experts, torch.Tensor):
+            _fail(op, "top_experts", f"must be a torch.Tensor, got {type(top_experts).__name__}")
+        if top_experts.ndim not in (1, 2):
+            _fail(op, "top_experts", f"must be 1-D or 2-D ([tokens, top_k]), got shape {tuple(top_experts.shape)}")
+        _fail(op, "top_experts", f"must have dtype in (int32, int64), got {str(top_experts.dtype).replace('torch.', '')}")
+    _int(op, "num_experts", num_experts, 1)
+    _int(op, "block", block, 0)
+    _int(op, "capacity", capacity, 0)
+    if isinstance(route, bool) or route not in ROUTE_LAYOUTS:
+        _fail(op, "route", f"must be one of {ROUTE_LAYOUTS} (none, dropless, padded, binned), got {route!r}")
+    if route == 1 and not block:
+        _fail(op, "block", "must be > 0 for a padded route map (route=1)")
+    n = top_experts.numel()
+    if n + num_experts * max(block - 1, 0) > _INT32_MAX:
+        _fail(op, "top_experts", f"has {n} assignments, too many for int32 indices and bins"
+              + (f" padded to multiples of {block}" if block else ""))
+    if route == 2 and num_experts * capacity > _INT32_MAX:
+        _fail(op, "capacity", f"{capacity} x {num_experts} experts rows do not fit int32 row numbers")
+    if envs.checks_enabled() and n and bool(((top_experts < 0) | (top_experts >= num_experts)).any()):
+        _fail(op, "top_experts", f"must lie in [0, {num_experts}) (expert ids)")
+
+
 def check_values(op, *, indices, bins, bin_ids=None, weights=None, padded_bins=None):
     """The checks that read values (one device-to-host sync for all of them)."""
     n = indices.shape[0]

@@ -570,15 +570,23 @@ def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
 # object), so later calls reuse the first map. Keeping the map on the object (not in a table keyed
 # by data pointers) means it dies with its tensor and can never be found by another tensor that
 # happens to reuse the memory (as a CUDA graph pool or a memory checkpoint can arrange); the
-# version counters catch in-place changes. While a graph is being captured nothing is reused or
-# kept: each captured call records its own route-map launch, so no cached tensor crosses a capture
-# boundary (a few us of device time per extra launch, no host time at replay).
+# version counters catch in-place changes.
+#
+# Where the routing comes from the routing preparation (kernels/preparation.py), the map is
+# written by the same launch that writes ``indices`` and ``bins`` and kept from the start
+# (keep_route_map), so no routing call of the step launches anything to build it. A map is only
+# ever used under the capture state it was made in: one made while a graph is being captured
+# (only the preparation keeps those: its map and its ``indices`` are written by the same captured
+# launch, so every replay rewrites both together) serves the captured calls after it, and one made
+# outside a capture never serves a captured call, which records its own route-map launch instead:
+# no map computed outside a capture crosses into one (a few us of device time per extra launch,
+# no host time at replay).
 _ROUTE_MAP_ATTR = "_megablocks_ascend_route_maps"
 _route_map_token = object()  # replaced by clear_route_maps(); entries made under another are stale
 
 
 def clear_route_maps() -> None:
-    """Forget every cached route map (each op then pays for its map: for timing single ops)."""
+    """Forget every kept route map (each op then pays for its map: for timing single ops)."""
     global _route_map_token
     _route_map_token = object()
 
@@ -588,33 +596,50 @@ def _versions(indices, bins, padded_bins):
             None if padded_bins is None else (padded_bins._version, padded_bins.shape[0]))
 
 
-def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
-    """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped.
+def route_map_keepable(indices) -> bool:
+    """Whether a route map may be kept on ``indices`` for later calls: not on an inference tensor
+    (it has no version counter to tell an in-place change) and not inside :func:`devices.no_reuse`
+    (compiled graphs keep nothing on their tensors)."""
+    return devices.no_reuse_depth() == 0 and not indices.is_inference()
 
-    The result is cached on ``indices`` for this ``bins``/``padded_bins`` (see above) and must not
-    be modified."""
-    def compute():
-        return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
-                                  block_m=block_m, num_programs=num_programs)
 
-    if indices.is_inference() or bins.is_inference() or (padded_bins is not None and padded_bins.is_inference()) \
-            or not devices.reuse_allowed(indices.device):
-        # Inference tensors have no version counter to tell an in-place change; a capture keeps
-        # its own launches, and compiled graphs keep nothing (devices.no_reuse).
-        return compute()
+def _keep(indices, key, bins, padded_bins, slot_to_row, captured):
     maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
-    key = (layout, capacity)
-    hit = maps.get(key) if maps is not None else None
-    versions = _versions(indices, bins, padded_bins)
-    if hit is not None and hit[0] is _route_map_token and hit[1] is bins and hit[2] is padded_bins \
-            and hit[3] == versions:
-        return hit[4]
-    slot_to_row = compute()
     if maps is None:
         maps = {}
         setattr(indices, _ROUTE_MAP_ATTR, maps)
-    maps[key] = (_route_map_token, bins, padded_bins, versions, slot_to_row)
-    return slot_to_row
+    maps[key] = (_route_map_token, bins, padded_bins, _versions(indices, bins, padded_bins), captured, slot_to_row)
+
+
+def keep_route_map(indices, bins, padded_bins, slot_to_row, *, layout, capacity=0) -> None:
+    """Keep ``slot_to_row``, written by the launch that wrote ``indices`` and ``bins`` (the routing
+    preparation), as the route map of ``layout`` for the routing calls that follow; the caller
+    checked :func:`route_map_keepable`. Kept under the capture state of the moment (see above)."""
+    _keep(indices, (layout, capacity), bins, padded_bins, slot_to_row, devices.capturing(indices.device))
+
+
+def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
+    """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped.
+
+    Found on ``indices`` when the routing preparation or an earlier call of the step made it for this
+    ``bins``/``padded_bins`` (see above); else computed (one launch) and kept. Must not be modified."""
+    if devices.no_reuse_depth() == 0 and not indices.is_inference() and not bins.is_inference() \
+            and (padded_bins is None or not padded_bins.is_inference()):
+        captured = devices.capturing(indices.device)
+        maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
+        hit = maps.get((layout, capacity)) if maps is not None else None
+        if hit is not None and hit[0] is _route_map_token and hit[1] is bins and hit[2] is padded_bins \
+                and hit[4] is captured and hit[3] == _versions(indices, bins, padded_bins):
+            return hit[5]
+        slot_to_row = _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
+                                         block_m=block_m, num_programs=num_programs)
+        if not captured:  # a captured call keeps its own launch (see above)
+            _keep(indices, (layout, capacity), bins, padded_bins, slot_to_row, False)
+        return slot_to_row
+    # Inference tensors have no version counter to tell an in-place change; compiled graphs keep
+    # nothing (devices.no_reuse).
+    return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity, block_m=block_m,
+                              num_programs=num_programs)
 
 
 ROUTE_MAP_BLOCK_M = {"cpu": 64}  # positions per block; 128 elsewhere
