@@ -160,7 +160,21 @@ CUBE_KERNELS = (
     KernelSpec("_row_indices", None, dict(index=INDEX_TYPES), ("BLOCK",), ("out",), False, module="blocksparse",
                hot_step="BLOCK", no_scalar_hot=True),
 )
-KERNELS = ROUTING_KERNELS + CUBE_KERNELS
+# The routing preparation (kernels/preparation.py): a counting sort of expert ids. Keys are the
+# router's ids (int32 / int64) or, through the megablocks_ops stand-in, the sparse dMoE's int16 block
+# column indices; PLACE=0 is the stand-in's histogram. The tiles come from devices.prep_tile for
+# EXPERTS keys and a grid of PREP_PROGRAMS vector cores. Its scattered stores (a sort places each
+# item at a computed position) are per-element by nature: nothing is gated on them.
+PREP_INDEX_TYPES = ("i16", "i32", "i64")
+PREP_PROGRAMS = 40  # the vector cores of an A2 (910B) device
+ROUTES = (-1, 0, 1, 2)  # preparation.NO_ROUTE, then routing.DROPLESS, PADDED, BINNED
+PREPARATION_KERNELS = (
+    KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E"), ("keys",), False,
+               module="preparation", hot_step="BLOCK_M"),
+    KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=BOOLS, PADDED=BOOLS, ROUTE=ROUTES),
+               ("BLOCK_M", "BLOCK_E", "BLOCK_P"), ("keys",), False, module="preparation", hot_step="BLOCK_M"),
+)
+KERNELS = ROUTING_KERNELS + PREPARATION_KERNELS + CUBE_KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +227,19 @@ def _scalars(spec: KernelSpec, axes: dict) -> dict:
         return dict(num_positions=n1, num_experts=EXPERTS, num_rows=rows1, hidden=hidden, capacity=capacity1)
     if spec.name == "_wgrad":
         return dict(num_slots=n, num_rows=n, hidden=hidden)
+    if spec.name in ("_count", "_place"):
+        block_m = _prep_block_m()
+        chunk = -(-n // (PREP_PROGRAMS * block_m)) * block_m
+        scalars = dict(num_items=n, num_keys=EXPERTS, key_mask=-1, chunk=chunk)
+        if spec.name == "_place":
+            scalars.update(block=128, capacity=n // EXPERTS)
+        return scalars
     raise KeyError(spec.name)
+
+
+def _prep_block_m() -> int:
+    from megablocks_ascend import devices  # noqa: PLC0415
+    return devices.prep_tile(EXPERTS, "npu").block_m
 
 
 # The representative block-sparse problem: a MegaBlocks topology of 64 block rows (8192 padded
@@ -292,6 +318,10 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS) -> list[Config]:
                 t = devices.tile(spec.kind, getattr(torch, torch_name), axes["hidden"], "npu")
                 constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=axes["hidden"] % t.block_x == 0)
                 ub = devices.ub_bytes(spec.kind, t.block_m, t.block_x, es)
+            elif spec.module == "preparation":
+                constexprs["BLOCK_M"] = _prep_block_m()
+                if "BLOCK_P" in spec.derived:
+                    constexprs["BLOCK_P"] = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(EXPERTS))
             else:
                 constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
             if "BLOCK_E" in spec.derived:

@@ -114,7 +114,8 @@ def check_preparation(op, *, top_experts, num_experts, block, route, capacity):
             _fail(op, "top_experts", f"must be a torch.Tensor, got {type(top_experts).__name__}")
         if top_experts.ndim not in (1, 2):
             _fail(op, "top_experts", f"must be 1-D or 2-D ([tokens, top_k]), got shape {tuple(top_experts.shape)}")
-        _fail(op, "top_experts", f"must have dtype in (int32, int64), got {str(top_experts.dtype).replace('torch.', '')}")
+        dtype = str(top_experts.dtype).replace("torch.", "")
+        _fail(op, "top_experts", f"must have dtype in (int32, int64), got {dtype}")
     _int(op, "num_experts", num_experts, 1)
     _int(op, "block", block, 0)
     _int(op, "capacity", capacity, 0)

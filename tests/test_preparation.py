@@ -72,8 +72,10 @@ def loop_reference(ids, num_experts, block):
             prun += (c + block - 1) // block * block
             padded.append(prun)
     i32 = dict(dtype=torch.int32)
-    return (torch.tensor(order, **i32), torch.tensor([values[a] for a in order], **i32), torch.tensor(bins, **i32),
-            torch.tensor(counts, **i32), torch.tensor(padded, **i32) if block else None)
+    def int32(v):  # bin_ids are int32, as upstream's (which sorts top_experts.int()): wrapped
+        return (v + 2**31) % 2**32 - 2**31
+    return (torch.tensor(order, **i32), torch.tensor([int32(values[a]) for a in order], **i32),
+            torch.tensor(bins, **i32), torch.tensor(counts, **i32), torch.tensor(padded, **i32) if block else None)
 
 
 def route_reference(indices, bins, padded_bins, layout, capacity):
@@ -174,7 +176,7 @@ def test_binned_route_map_drops_past_the_capacity(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["ascend", "torch"])
 def test_out_of_range_ids_go_last_and_count_nowhere(backend, poisoned):
-    ids = torch.tensor([3, -1, 0, 5, 2, 3, 7, 0, 1, -2])  # valid: 0..3
+    ids = torch.tensor([3, -1, 0, 5, 2, 3, 2**32 + 2, 0, 1, -2])  # valid: 0..3; 2**32 + 2 is 2 in int32
     with megablocks_ascend.use_backend(backend):
         got = ops.prepare_routing(ids, 4, 2, routing.DROPLESS)
     assert_same(got, loop_reference(ids, 4, 2))
@@ -320,7 +322,8 @@ def test_value_checks_reject_out_of_range_ids(monkeypatch):
 
 def test_backends_that_cannot_serve_say_so():
     ids = torch.zeros(4, dtype=torch.int64)
-    with megablocks_ascend.use_backend("ascend"), pytest.raises(backends.BackendUnavailable, match="MEGABLOCKS_BACKEND=torch"):
+    with megablocks_ascend.use_backend("ascend"), \
+            pytest.raises(backends.BackendUnavailable, match="MEGABLOCKS_BACKEND=torch"):
         ops.prepare_routing(ids, devices.MAX_PREP_KEYS + 1)
     with megablocks_ascend.use_backend("torch"):
         assert ops.prepare_routing(ids, devices.MAX_PREP_KEYS + 1)[3].shape == (devices.MAX_PREP_KEYS + 1,)
@@ -371,7 +374,8 @@ def test_stand_in_sort_on_our_kernels(dtype, end_bit):
     x_out, iota_out = torch.empty_like(x), torch.empty_like(x)
     with megablocks_ascend.use_backend("ascend"), megablocks_ascend.trace() as calls:
         native.sort(x, end_bit, x_out, iota_out)
-    assert [(c.op, c.backend) for c in calls] == [("sort", "ascend")]
+    # int64 sorts (MegaBlocks makes none) stay on the PyTorch path: the kernels' keys are int32
+    assert [(c.op, c.backend) for c in calls] == ([] if dtype == torch.int64 else [("sort", "ascend")])
     values, order = sort_loop(x.tolist(), end_bit, torch.iinfo(dtype).bits)
     assert x_out.tolist() == values and iota_out.tolist() == order
 
@@ -418,7 +422,8 @@ def test_patch_replaces_both_methods_and_reverts_exactly():
     originals = dict(patch.originals)
     patch.revert()
     try:
-        assert ParallelMLP.__dict__["indices_and_bins"] is originals["megablocks.layers.moe:ParallelMLP.indices_and_bins"]
+        target = "megablocks.layers.moe:ParallelMLP.indices_and_bins"
+        assert ParallelMLP.__dict__["indices_and_bins"] is originals[target]
         assert ParallelMLP.indices_and_bins is patching._indices_and_bins.__wrapped__
     finally:
         patch.apply(patch)

@@ -28,12 +28,17 @@ so ``indices`` stays a permutation and nothing is written out of bounds; their r
 -1 (dropped).
 
 Shape on the device: a 1-D grid of ``P`` programs (vector cores on an NPU, SMs on CUDA), each
-looping over its chunk; every per-key quantity is a ``BLOCK_E``-wide vector and every block of
-items a ``[BLOCK_M, BLOCK_E]`` tile (which key each item has, as a compare of the item's key
-with the key numbers), so the kernels use only element-wise ops, reductions and scans along an
-axis. Keys are compared as float32 (exact below 2**24): on Ascend's vector units an int32
-compare runs as scalar code, a float compare does not (NOTES: triton-ascend performance guide).
-Offsets are int32 (the number of items is below 2**31, which validation checks).
+looping over its chunk in blocks of ``BLOCK_M`` items; every per-key quantity is a ``BLOCK_E``-wide
+vector and every block a ``[BLOCK_E, BLOCK_M]`` one-hot tile (which key each item has). An
+item's position is its key's cursor picked from the tile (``_pick``) plus its rank among the
+block's items of that key (a scan of the tile along the items), so the kernels use only
+element-wise ops, reductions and scans along an axis. The tile work is float32, not int32:
+compiled for an A2 vector core (``bishengir-compile``, docs/notes/routing-preparation.md), an
+int32 multiply-and-reduce over a ``[128, 32]`` tile needed 521 KiB of the 192 KiB Unified Buffer
+and the float32 one 123 KiB; float32 is exact here (0/1 times values below 2**16, sums of one
+term; ranks below 2**24). Keys are compared as float32 too: on Ascend's vector units an int32
+compare runs as scalar code (NOTES: triton-ascend performance guide). Offsets are int32 (the
+number of items is below 2**31, which validation checks).
 
 The same two kernels serve the ``megablocks_ops`` stand-in's ``sort`` (keys: a value's low
 ``end_bit`` bits, ``key_mask``) and ``histogram`` (``_place`` with ``PLACE=False``).
@@ -55,19 +60,36 @@ _DROPLESS, _PADDED = tl.constexpr(routing.DROPLESS), tl.constexpr(routing.PADDED
 
 @triton.jit
 def _keys(keys, items, inside, num_keys, key_mask):
-    """``(raw, key, valid)`` of ``items``: the stored value, its key (``raw & key_mask``, int32) and
-    whether the key is one of ``0 .. num_keys - 1`` (False outside ``inside``)."""
-    raw = tl.load(keys + tl.where(inside, items, 0), mask=inside, other=0)
-    key = (raw & key_mask).to(tl.int32)
-    valid = inside & (key >= 0) & (key < num_keys)
+    """``(raw, key, valid)`` of ``items``: the stored value, its key (its low 32 bits ``& key_mask``,
+    int32) and whether the key is one of ``0 .. num_keys - 1`` (False outside ``inside``). The
+    range test is made on float32 copies (exact: the keys that pass are below 2**24), and an int64
+    value passes only if it fits int32 (its float32 copy equals its key's): no int64 or int32
+    vector compare (see the module docstring)."""
+    raw = tl.load(keys + items, mask=inside, other=0)
+    key = raw.to(tl.int32) & key_mask
+    key_f = key.to(tl.float32)
+    valid = inside & (key_f >= 0) & (key_f < num_keys)
+    if keys.dtype.element_ty == tl.int64:
+        valid = valid & (raw.to(tl.float32) == key_f)
     return raw, key, valid
 
 
 @triton.jit
 def _onehot(key, valid, e_f):
-    """``[BLOCK_M, BLOCK_E]``: whether item ``m`` has key ``e`` (compared as float32: see above)."""
+    """``[BLOCK_E, BLOCK_M]`` float32: 1 where item ``m`` has key ``e``, else 0 (an item without a
+    valid key: 0 everywhere)."""
     k = tl.where(valid, key, -1).to(tl.float32)
-    return k[:, None] == e_f[None, :]
+    return tl.where(e_f[:, None] == k[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _pick(hit, v):
+    """``v[key of m]`` for each item ``m`` (0 for an item without a valid key): the one-hot ``hit``
+    times ``v``, summed over the keys. In float32, whose products and sums of one term are exact
+    below 2**24, so ``v`` (int32) goes in two halves of 16 bits."""
+    hi = (v >> 16).to(tl.float32)
+    lo = (v & 65535).to(tl.float32)
+    return (tl.sum(hit * hi[:, None], axis=0).to(tl.int32) << 16) + tl.sum(hit * lo[:, None], axis=0).to(tl.int32)
 
 
 @triton.jit
@@ -94,7 +116,7 @@ def _count(
         items = m0 + m
         inside = items < end
         _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
-        acc += tl.sum(_onehot(key, valid, e_f).to(tl.int32), axis=0)
+        acc += tl.sum(_onehot(key, valid, e_f), axis=1).to(tl.int32)
         bad += (inside & ~valid).to(tl.int32)
     tl.store(counts + pid * BLOCK_E + e, acc)
     tl.store(counts + npg * BLOCK_E + pid, tl.sum(bad, axis=0))
@@ -120,15 +142,16 @@ def _place(
     for q0 in range(0, npg, BLOCK_P):
         q = q0 + p
         in_q = q < npg
-        rows = tl.load(counts + tl.where(in_q, q, 0)[:, None] * BLOCK_E + e[None, :], mask=in_q[:, None], other=0)
+        rows = tl.load(counts + q[:, None] * BLOCK_E + e[None, :], mask=in_q[:, None], other=0)
         earlier = (q < pid)[:, None]
         total += tl.sum(rows, axis=0)
         before += tl.sum(tl.where(earlier, rows, 0), axis=0)
-        bad = tl.load(counts + npg * BLOCK_E + tl.where(in_q, q, 0), mask=in_q, other=0)
-        bad_before += tl.where(q < pid, bad, 0)
+        if PLACE:  # (only the placement needs them)
+            bad = tl.load(counts + npg * BLOCK_E + q, mask=in_q, other=0)
+            bad_before += tl.where(q < pid, bad, 0)
     ends = tl.cumsum(total, axis=0)  # inclusive: bins
     starts = ends - total
-    if PADDED:
+    if PADDED or ROUTE == _PADDED:  # (the launcher never asks for a padded map without PADDED)
         padded = (total + block - 1) // block * block
         padded_ends = tl.cumsum(padded, axis=0)
     if pid == 0:
@@ -148,9 +171,9 @@ def _place(
             inside = items < end
             raw, key, valid = _keys(keys, items, inside, num_keys, key_mask)
             hit = _onehot(key, valid, e_f)
-            h = hit.to(tl.int32)
-            rank = tl.cumsum(h, axis=0) - h  # earlier items of the same key in this block
-            pos = tl.sum(tl.where(hit, cursor[None, :] + rank, 0), axis=1)
+            # earlier items of the same key in this block (float32: exact, at most BLOCK_M)
+            rank = tl.sum(hit * tl.cumsum(hit, axis=1), axis=0).to(tl.int32) - 1
+            pos = _pick(hit, cursor) + rank
             bad = (inside & ~valid).to(tl.int32)
             pos = tl.where(valid, pos, bad_cursor + tl.cumsum(bad, axis=0) - bad)
             # Positions are sums of counts of these same keys, so they lie in [0, num_items); the
@@ -163,12 +186,12 @@ def _place(
                 if ROUTE == _DROPLESS:
                     row = pos
                 elif ROUTE == _PADDED:
-                    row = pos + tl.sum(tl.where(hit, shift[None, :], 0), axis=1)
+                    row = pos + _pick(hit, shift)
                 else:  # binned: the first `capacity` positions of each expert are kept
-                    offset = tl.sum(tl.where(hit, (cursor - starts)[None, :] + rank, 0), axis=1)
+                    offset = _pick(hit, cursor - starts) + rank
                     row = tl.where(offset < capacity, key * capacity + offset, -1)
                 tl.store(slot_to_row + items, tl.where(valid & ok, row, -1), mask=inside)
-            cursor += tl.sum(h, axis=0)
+            cursor += tl.sum(hit, axis=1).to(tl.int32)
             bad_cursor += tl.sum(bad, axis=0)
 
 

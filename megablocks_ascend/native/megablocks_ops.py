@@ -6,12 +6,12 @@ the extension's signatures and write the same results into the same output argum
 (semantics from upstream's ``csrc/``: CUB radix sort, even histogram, CUB scans, the topology
 index kernel and the replicate kernels). They run on whatever device their tensors are on.
 
-``sort`` and ``histogram`` run our counting-sort kernels (``kernels/preparation.py``, the routing
-preparation's) where the backend for the tensors' device is ``ascend`` and there are at most
-``devices.MAX_PREP_KEYS`` keys (``2**end_bit`` for sort): that is where MegaBlocks calls them
-directly (the sparse dMoE's topology transpose, the expert-parallel path's second sort). Everywhere
-else (and while ``torch.compile`` traces), and always for the other functions, the PyTorch code
-below serves them. This module imports
+``sort`` (of int16 / int32 values) and ``histogram`` (of a 1-D tensor) run our counting-sort
+kernels (``kernels/preparation.py``, the routing preparation's) where the backend for the tensors'
+device is ``ascend`` and there are at most ``devices.MAX_PREP_KEYS`` keys (``2**end_bit`` for
+sort): that is where MegaBlocks calls them directly (the sparse dMoE's topology transpose, the
+expert-parallel path's second sort). Everywhere else (and while ``torch.compile`` traces), and
+always for the other functions, the PyTorch code below serves them. This module imports
 nothing of the plugin at import time (the patch registry registers it before MegaBlocks and the
 rest of the plugin are imported); the backend is asked at call time.
 """
@@ -52,7 +52,8 @@ def sort(x: torch.Tensor, end_bit: int, x_out: torch.Tensor, iota_out: torch.Ten
                          f"got {end_bit!r}")
     if x_out.shape != x.shape or iota_out.shape != x.shape:
         raise ValueError("megablocks_ops.sort: 'x_out' and 'iota_out' must have the shape of 'x'")
-    if end_bit < 16 and x_out.is_contiguous() and iota_out.is_contiguous() and _ours("sort", x, 1 << end_bit):
+    if x.dtype != torch.int64 and end_bit < 16 and x_out.is_contiguous() and iota_out.is_contiguous() \
+            and _ours("sort", x, 1 << end_bit):
         from megablocks_ascend.kernels import preparation  # noqa: PLC0415
         preparation.sort(x.contiguous(), end_bit, x_out, iota_out)
         return
