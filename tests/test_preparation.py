@@ -27,6 +27,7 @@ import megablocks.ops as mb_ops
 import megablocks_ascend
 import reference_impl as ref
 from megablocks_ascend import backends, devices, library, ops, patching, reference, validation
+from megablocks_ascend.patching import routing_preparation
 from megablocks_ascend.devices import PrepTile
 from megablocks_ascend.kernels import preparation, routing
 from megablocks_ascend.native import megablocks_ops as native
@@ -417,18 +418,18 @@ def test_patch_replaces_both_methods_and_reverts_exactly():
     from megablocks.layers.dmoe import ParallelDroplessMLP
     from megablocks.layers.moe import ParallelMLP
     patch = _patch()
-    assert ParallelMLP.indices_and_bins is patching._indices_and_bins
-    assert ParallelDroplessMLP.indices_and_padded_bins is patching._indices_and_padded_bins
+    assert ParallelMLP.indices_and_bins is routing_preparation._indices_and_bins
+    assert ParallelDroplessMLP.indices_and_padded_bins is routing_preparation._indices_and_padded_bins
     originals = dict(patch.originals)
     patch.revert()
     try:
         target = "megablocks.layers.moe:ParallelMLP.indices_and_bins"
         assert ParallelMLP.__dict__["indices_and_bins"] is originals[target]
-        assert ParallelMLP.indices_and_bins is patching._indices_and_bins.__wrapped__
+        assert ParallelMLP.indices_and_bins is routing_preparation._indices_and_bins.__wrapped__
     finally:
         patch.apply(patch)
         patch.applied = True
-    assert ParallelMLP.indices_and_bins is patching._indices_and_bins
+    assert ParallelMLP.indices_and_bins is routing_preparation._indices_and_bins
 
 
 def test_patch_refuses_a_changed_upstream_body(monkeypatch):
@@ -471,7 +472,7 @@ def test_patched_methods_return_upstreams_results(layer_kind):
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and torch.equal(g, w)
-    route, capacity = patching.route_for(experts, top, padded=layer_kind == "dMoE-sparse")
+    route, capacity = routing_preparation.route_for(experts, top, padded=layer_kind == "dMoE-sparse")
     expected = {"MoE": (routing.BINNED, 5), "MoE-top1": (NO_ROUTE, 0), "MoE-capacity-0": (NO_ROUTE, 0),
                 "dMoE-grouped": (routing.DROPLESS, 0), "dMoE-sparse": (routing.PADDED, 0)}[layer_kind]
     assert (route, capacity) == expected
