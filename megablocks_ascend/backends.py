@@ -64,25 +64,45 @@ def requested() -> str:
     return _overrides[-1] if _overrides else envs.backend()
 
 
+_resolved: dict = {}  # (requested name, torch.device) -> backend: the answers that were not errors
+
+
 def resolve(device: torch.device) -> str:
-    """The backend that serves tensors on ``device``, or :class:`BackendUnavailable`."""
+    """The backend that serves tensors on ``device``, or :class:`BackendUnavailable`.
+
+    A successful answer depends only on the name asked for, the device and what is installed (the
+    Triton interpreter, once on, stays on), so it is remembered: every routing call asks."""
     name = requested()
+    try:
+        return _resolved[(name, device)]
+    except (KeyError, TypeError):  # (TypeError: an unhashable stand-in for a device, in tests)
+        pass
+    backend = _resolve(name, device)
+    if isinstance(device, torch.device):
+        _resolved[(name, device)] = backend
+    return backend
+
+
+def _resolve(name: str, device: torch.device) -> str:
+    kind = device.type
     if name == "auto":
-        if device.type not in _AUTO:
+        if kind not in _AUTO:
             raise BackendUnavailable(
-                f"MEGABLOCKS_BACKEND=auto has no backend for {device.type} tensors; "
+                f"MEGABLOCKS_BACKEND=auto has no backend for {kind} tensors; "
                 "set MEGABLOCKS_BACKEND=torch to use plain PyTorch")
-        name = _AUTO[device.type]
+        name = _AUTO[kind]
     if name == "ascend":
-        if device.type == "cpu" and not compat.interpreter_active():
-            raise BackendUnavailable("MEGABLOCKS_BACKEND=ascend: " + compat.INTERPRETER_HINT)
-        if device.type == "npu" and not compat.is_triton_ascend():
-            raise BackendUnavailable(
-                "MEGABLOCKS_BACKEND=ascend on NPU tensors needs triton-ascend "
-                "(pip install 'megablocks-ascend[npu]'), but the installed triton is not triton-ascend")
-        if device.type not in ("cpu", "cuda", "npu"):
-            raise BackendUnavailable(f"MEGABLOCKS_BACKEND=ascend cannot run on {device.type} tensors")
-    elif name == "cuda" and device.type != "cuda":
+        if kind == "cpu":
+            if not compat.interpreter_active():
+                raise BackendUnavailable("MEGABLOCKS_BACKEND=ascend: " + compat.INTERPRETER_HINT)
+        elif kind == "npu":
+            if not compat.is_triton_ascend():
+                raise BackendUnavailable(
+                    "MEGABLOCKS_BACKEND=ascend on NPU tensors needs triton-ascend "
+                    "(pip install 'megablocks-ascend[npu]'), but the installed triton is not triton-ascend")
+        elif kind != "cuda":
+            raise BackendUnavailable(f"MEGABLOCKS_BACKEND=ascend cannot run on {kind} tensors")
+    elif name == "cuda" and kind != "cuda":
         raise BackendUnavailable(
             f"MEGABLOCKS_BACKEND=cuda runs upstream MegaBlocks' CUDA kernels, but the tensors are on "
             f"{device}; use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
@@ -178,35 +198,41 @@ _dispatching = _Depth()
 
 def _make_dispatcher(name: str) -> Callable:
     params, x_ndim, x_rows = SPECS[name]
-    tensor_args = tuple(p for p in params if p in _TENSOR_ARGS)
+    tensor_positions = tuple(i for i, p in enumerate(params) if p in _TENSOR_ARGS)
+    at = {p: params.index(p) for p in params}
+    i_grad, i_bin_ids, i_weights, i_padded, i_capacity = (at.get(p) for p in (
+        "grad", "bin_ids", "weights", "padded_bins", "expert_capacity"))
+    i_indices, i_bins, i_top_k = at["indices"], at["bins"], at["top_k"]
     signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
 
     def dispatcher(*args, **kwargs):
-        if not kwargs and len(args) == len(params):
-            a = dict(zip(params, args))  # the common, positional call: skip Signature.bind
-        else:
-            a = signature.bind(*args, **kwargs).arguments
+        if kwargs or len(args) != len(params):
+            args = tuple(signature.bind(*args, **kwargs).arguments.values())  # (every parameter is required)
         if _dispatching.depth:
             # Upstream's functions call their siblings by module-global name (scatter calls
             # padded_scatter), which now finds this dispatcher: hand those straight to upstream.
-            return _upstream(name)(**a)
-        x = a["x"]
-        validation.check_routing(
-            name, x=x, x_ndim=x_ndim, indices=a["indices"], bins=a["bins"], top_k=a["top_k"],
-            bin_ids=a.get("bin_ids"), weights=a.get("weights"), padded_bins=a.get("padded_bins"),
-            expert_capacity=a.get("expert_capacity"), grad=a.get("grad"), x_rows=x_rows)
-        backend = resolve(x.device)
+            return _upstream(name)(*args)
+        x = args[0]
+        validation.check_routing_args(
+            name, x, x_ndim, args[i_indices], args[i_bins], args[i_top_k],
+            None if i_bin_ids is None else args[i_bin_ids], None if i_weights is None else args[i_weights],
+            None if i_padded is None else args[i_padded], None if i_capacity is None else args[i_capacity],
+            None if i_grad is None else args[i_grad], x_rows)
+        device = x.device
+        backend = resolve(device)
+        _record(name, backend, device)
         if backend == "ascend":
-            for k in tensor_args:
-                v = a[k]
-                if v is not None:
-                    a[k] = v.contiguous()
-        _record(name, backend, x.device)
-        _dispatching.depth += 1
-        try:
-            return _implementation(name, backend)(**a)
-        finally:
-            _dispatching.depth -= 1
+            args = list(args)
+            for i in tensor_positions:
+                if args[i] is not None:
+                    args[i] = args[i].contiguous()
+        elif backend == "cuda":
+            _dispatching.depth += 1  # (only upstream's functions call back into the dispatchers)
+            try:
+                return _implementation(name, backend)(*args)
+            finally:
+                _dispatching.depth -= 1
+        return _implementation(name, backend)(*args)
 
     dispatcher.__name__ = dispatcher.__qualname__ = name
     dispatcher.__signature__ = signature

@@ -130,12 +130,18 @@ def capturing(device: torch.device) -> bool:
     ``torch.npu.graph``, CUDA-graph trees under ``torch.compile(mode="reduce-overhead")``). On an
     NPU whose torch_npu has no such query the answer is True: callers then keep nothing across a
     possible capture boundary, which is always safe."""
-    if device.type == "cuda":
+    kind = device.type
+    if kind == "cuda":
         return torch.cuda.is_current_stream_capturing()
-    if device.type == "npu":
+    if kind == "npu":
         query = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
         return True if query is None else bool(query())
     return False
+
+
+def capturing_on(t: torch.Tensor) -> bool:
+    """:func:`capturing` for ``t``'s device (a CPU tensor answers without looking at its device)."""
+    return False if t.is_cpu else capturing(t.device)
 
 
 class _NoReuse(threading.local):

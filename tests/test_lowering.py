@@ -104,10 +104,11 @@ class _Recorder:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
 
+    def launch(self, grid, *args, **kwargs):
+        self.calls.append((self.name, kwargs))
+
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append((self.name, kwargs))
-        return launch
+        return lambda *args, **kwargs: self.launch(grid, *args, **kwargs)
 
 
 def _launcher_calls(monkeypatch, int64):
@@ -116,6 +117,7 @@ def _launcher_calls(monkeypatch, int64):
         monkeypatch.setattr(routing, name, _Recorder(name, calls))
     if int64:
         monkeypatch.setattr(routing, "_INT32_LIMIT", 1)  # every tensor counts as huge
+    routing.clear_plans()  # (plans made before the limit changed)
     tokens = 4
     # every row-gather launcher of the module (gather_rows, and gather_tokens_rows where it exists)
     gathers = [getattr(routing, n) for n in ("gather_rows", "gather_tokens_rows") if hasattr(routing, n)]

@@ -219,6 +219,10 @@ class _Recording:
         self.log.append(self.name)
         return self.kernel[grid]
 
+    def launch(self, grid, *args, **kwargs):
+        self.log.append(self.name)
+        return self.kernel.launch(grid, *args, **kwargs)
+
 
 # ------------------------------------------------------------------------------------------
 # The route map kept on indices: when it is kept, when it is used.
@@ -246,18 +250,18 @@ def test_route_map_kept_under_a_capture_serves_that_capture_only(monkeypatch):
     indices, so captured calls may use it; eager calls do not, and a map made outside a capture
     never serves a captured call (which records its own launch)."""
     ids = _ids(8, 2, 4)
-    monkeypatch.setattr(devices, "capturing", lambda device: True)
+    monkeypatch.setattr(devices, "capturing_on", lambda t: True)
     indices, _, bins, _, _ = preparation.prepare_routing(ids, 4, 0, routing.DROPLESS)
     kept = kept_route_map(indices, bins, None, routing.DROPLESS, 0, monkeypatch)
-    monkeypatch.setattr(devices, "capturing", lambda device: True)
+    monkeypatch.setattr(devices, "capturing_on", lambda t: True)
     assert routing.route_map(indices, bins, None, layout=routing.DROPLESS) is kept
-    monkeypatch.setattr(devices, "capturing", lambda device: False)
+    monkeypatch.setattr(devices, "capturing_on", lambda t: False)
     assert routing.route_map(indices, bins, None, layout=routing.DROPLESS) is not kept
     eager_indices, _, eager_bins, _, _ = preparation.prepare_routing(ids, 4, 0, routing.DROPLESS)
     eager = routing.route_map(eager_indices, eager_bins, None, layout=routing.DROPLESS)
-    monkeypatch.setattr(devices, "capturing", lambda device: True)
+    monkeypatch.setattr(devices, "capturing_on", lambda t: True)
     assert routing.route_map(eager_indices, eager_bins, None, layout=routing.DROPLESS) is not eager
-    monkeypatch.setattr(devices, "capturing", lambda device: False)
+    monkeypatch.setattr(devices, "capturing_on", lambda t: False)
     assert routing.route_map(eager_indices, eager_bins, None, layout=routing.DROPLESS) is eager
 
 

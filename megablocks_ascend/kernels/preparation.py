@@ -232,11 +232,11 @@ def _launch(keys, num_keys, key_mask, *, indices=None, bin_ids=None, block=0, ro
         return tokens_per_expert, bins, padded_bins, slot_to_row
     programs, chunk = _grid(device, n, t.block_m, num_programs)
     counts = torch.empty(programs * (block_e + 1), dtype=torch.int32, device=device)
-    _count[(programs,)](keys, counts, n, num_keys, key_mask, chunk, BLOCK_M=t.block_m, BLOCK_E=block_e,
+    _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, BLOCK_M=t.block_m, BLOCK_E=block_e,
                         num_warps=t.num_warps)
     place = indices is not None
-    _place[(programs,)](
-        keys, counts, indices if place else counts, bin_ids if place else counts, tokens_per_expert, bins,
+    _place.launch(
+        (programs,), keys, counts, indices if place else counts, bin_ids if place else counts, tokens_per_expert, bins,
         padded_bins if block else bins, slot_to_row if slot_to_row is not None else counts,
         n, num_keys, key_mask, chunk, max(block, 1), capacity,
         PLACE=place, PADDED=bool(block), ROUTE=route,
