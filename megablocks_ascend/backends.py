@@ -199,6 +199,7 @@ _dispatching = _Depth()
 def _make_dispatcher(name: str) -> Callable:
     params, x_ndim, x_rows = SPECS[name]
     tensor_positions = tuple(i for i, p in enumerate(params) if p in _TENSOR_ARGS)
+    data_positions = tuple(i for i, p in enumerate(params) if p in ("x", "grad", "weights"))
     at = {p: params.index(p) for p in params}
     i_grad, i_bin_ids, i_weights, i_padded, i_capacity = (at.get(p) for p in (
         "grad", "bin_ids", "weights", "padded_bins", "expert_capacity"))
@@ -213,7 +214,7 @@ def _make_dispatcher(name: str) -> Callable:
             # padded_scatter), which now finds this dispatcher: hand those straight to upstream.
             return _upstream(name)(*args)
         x = args[0]
-        validation.check_routing_args(
+        prepared = validation.check_routing_args(
             name, x, x_ndim, args[i_indices], args[i_bins], args[i_top_k],
             None if i_bin_ids is None else args[i_bin_ids], None if i_weights is None else args[i_weights],
             None if i_padded is None else args[i_padded], None if i_capacity is None else args[i_capacity],
@@ -221,9 +222,9 @@ def _make_dispatcher(name: str) -> Callable:
         device = x.device
         backend = resolve(device)
         _record(name, backend, device)
-        if backend == "ascend":
+        if backend == "ascend":  # our launchers take contiguous tensors (the preparation's are)
             args = list(args)
-            for i in tensor_positions:
+            for i in data_positions if prepared else tensor_positions:
                 if args[i] is not None:
                     args[i] = args[i].contiguous()
         elif backend == "cuda":
@@ -291,10 +292,16 @@ def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
             f"{num_experts}; use MEGABLOCKS_BACKEND=torch")
     _record("prepare_routing", backend, device)
     if backend == "ascend":
-        return preparation.prepare_routing(top_experts, num_experts, block, route, capacity)
-    if backend == "torch":
-        return reference.prepare_routing(top_experts, num_experts, block, route, capacity)
-    return upstream_preparation(top_experts, num_experts, block, route, capacity)
+        out = preparation.prepare_routing(top_experts, num_experts, block, route, capacity)
+    elif backend == "torch":
+        out = reference.prepare_routing(top_experts, num_experts, block, route, capacity)
+    else:
+        out = upstream_preparation(top_experts, num_experts, block, route, capacity)
+    indices, bin_ids, bins, _, padded_bins = out
+    if devices.no_reuse_depth() == 0 and not indices.is_inference():
+        # Well-formed by construction: the step's routing calls need not check it again (validation).
+        validation.mark_prepared(indices, bins, bin_ids, padded_bins, values_checked=envs.checks_enabled())
+    return out
 
 
 def kernels_serve_sort(op: str, x: torch.Tensor, num_keys: int) -> bool:
