@@ -278,6 +278,57 @@ def test_routing_calls_without_the_preparation_still_build_their_map():
 
 
 # ------------------------------------------------------------------------------------------
+# Routing calls given the preparation's tensors: their own arguments are still checked.
+
+
+def _prepared_call(backend="ascend", checks="0", monkeypatch=None):
+    if monkeypatch is not None:
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_CHECKS", checks)
+    with megablocks_ascend.use_backend(backend):
+        return ops.prepare_routing(_ids(6, 2, 4, seed=14), 4, 0, routing.DROPLESS)
+
+
+@pytest.mark.parametrize("backend", ["ascend", "torch"])
+def test_routing_calls_on_prepared_tensors_still_check_their_own_arguments(backend):
+    indices, bin_ids, bins, _, _ = _prepared_call(backend)
+    assert validation._prepared(indices, bins, bin_ids, None) is not None
+    x, w = torch.randn(6, 8), torch.rand(12)
+    with megablocks_ascend.use_backend(backend):
+        assert torch.equal(mb_ops.gather(x, indices, bin_ids, bins, 2), x[indices.long() // 2])
+        for bad, arg in ((lambda: mb_ops.gather(torch.randn(5, 8), indices, bin_ids, bins, 2), "indices"),
+                         (lambda: mb_ops.gather(x.int(), indices, bin_ids, bins, 2), "x"),
+                         (lambda: mb_ops.scatter(torch.randn(12, 8), indices, bin_ids, w[:5], bins, 2), "weights"),
+                         (lambda: mb_ops.gather(x, indices, bin_ids, bins, 5), "indices")):
+            with pytest.raises(validation.RoutingArgumentError, match=f"argument '{arg}'"):
+                bad()
+        # other tensors than the preparation's, or its own changed in place: the full checks again
+        assert validation._prepared(indices, bins.clone(), bin_ids, None) is None
+        bins[-1] = 11
+        assert validation._prepared(indices, bins, bin_ids, None) is None
+
+
+def test_value_checks_on_prepared_tensors(monkeypatch):
+    """With MEGABLOCKS_ASCEND_CHECKS=1 a preparation that checked the router's ids leaves only the
+    weights to check per routing call; one that ran without the checks has its routing checked by
+    the calls."""
+    seen = []
+    real = validation.check_values
+    monkeypatch.setattr(validation, "check_values", lambda op, **kw: seen.append(kw.get("routing", True))
+                        or real(op, **kw))
+    x, w = torch.randn(12, 8), torch.rand(12)
+    for checked in ("1", "0"):
+        indices, bin_ids, bins, _, _ = _prepared_call(checks=checked, monkeypatch=monkeypatch)
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_CHECKS", "1")
+        seen.clear()
+        with megablocks_ascend.use_backend("ascend"):
+            mb_ops.scatter(x, indices, bin_ids, w, bins, 2)
+        assert seen == ([False] if checked == "1" else [True])
+    w[3] = float("nan")
+    with megablocks_ascend.use_backend("ascend"), pytest.raises(validation.RoutingArgumentError, match="'weights'"):
+        mb_ops.scatter(x, indices, bin_ids, w, bins, 2)
+
+
+# ------------------------------------------------------------------------------------------
 # Validation, backends, the custom op.
 
 
