@@ -164,6 +164,30 @@ def test_prepare_matches_a_stable_sort(name, make, experts, block, block_m, prog
         assert routing._ROUTE_MAP_ATTR not in got[0].__dict__
 
 
+@pytest.mark.parametrize("experts,tokens,top_k", [(8, 256, 2), (128, 128, 8), (1000, 20, 4)])
+def test_prepare_on_the_test_device(device, experts, tokens, top_k):
+    """The kernels on ``MEGABLOCKS_ASCEND_TEST_DEVICE`` (CUDA: compiled Triton, launch-sized tiles and
+    grid, 32 times the tokens) against torch's stable sort and the route-map kernel there, for each
+    layout's map."""
+    tokens *= 1 if device.type == "cpu" else 32
+    g = torch.Generator(device=device).manual_seed(experts)
+    ids = torch.topk(torch.rand(tokens, experts, device=device, generator=g), top_k).indices
+    bin_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=experts).int()
+    capacity = tokens * top_k // experts
+    for layout, block in ((routing.DROPLESS, 0), (routing.PADDED, 128), (routing.BINNED, 0)):
+        indices, got_bin_ids, bins, tokens_per_expert, padded_bins = preparation.prepare_routing(
+            ids, experts, block, layout, capacity)
+        assert torch.equal(indices, order.int()) and torch.equal(got_bin_ids, bin_ids.int())
+        assert torch.equal(tokens_per_expert, counts) and torch.equal(bins, torch.cumsum(counts, 0).int())
+        pb = padded_bins if layout == routing.PADDED else None
+        if block:
+            assert torch.equal(padded_bins, torch.cumsum((counts + block - 1) // block * block, 0).int())
+        kept = indices.__dict__[routing._ROUTE_MAP_ATTR][(layout, capacity if layout == routing.BINNED else 0)][-1]
+        assert torch.equal(kept, routing._compute_route_map(indices, bins, pb, layout=layout, capacity=capacity,
+                                                            block_m=None, num_programs=None))
+
+
 def test_binned_route_map_drops_past_the_capacity(monkeypatch):
     ids = torch.tensor([[1, 0], [1, 2], [1, 0], [1, 1]])  # expert 1 has 5, capacity 2
     indices, _, bins, _, _ = preparation.prepare_routing(ids, 3, 0, routing.BINNED, 2, tile=PrepTile(2),
