@@ -117,7 +117,7 @@ def _count(
         inside = items < end
         _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
         acc += tl.sum(_onehot(key, valid, e_f), axis=1).to(tl.int32)
-        bad += (inside & ~valid).to(tl.int32)
+        bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
     tl.store(counts + pid * BLOCK_E + e, acc)
     tl.store(counts + npg * BLOCK_E + pid, tl.sum(bad, axis=0))
 
@@ -174,7 +174,7 @@ def _place(
             # earlier items of the same key in this block (float32: exact, at most BLOCK_M)
             rank = tl.sum(hit * tl.cumsum(hit, axis=1), axis=0).to(tl.int32) - 1
             pos = _pick(hit, cursor) + rank
-            bad = (inside & ~valid).to(tl.int32)
+            bad = inside.to(tl.int32) - valid.to(tl.int32)  # items without a valid key
             pos = tl.where(valid, pos, bad_cursor + tl.cumsum(bad, axis=0) - bad)
             # Positions are sums of counts of these same keys, so they lie in [0, num_items); the
             # mask keeps that true even if the keys changed between the two launches.
