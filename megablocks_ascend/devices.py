@@ -266,7 +266,8 @@ PREP_MAX_BLOCK_M = 1024
 
 @dataclasses.dataclass(frozen=True)
 class PrepTile:
-    block_m: int  # items per block of the walk (a power of two)
+    block_m: int  # items per block of the walk (a power of two, at least 2: Triton 3.3.1's interpreter
+    # cannot scan a block of one)
     num_warps: int = 4  # CUDA only
 
 
@@ -277,7 +278,7 @@ def prep_tile(num_keys: int, device_target: str) -> PrepTile:
         raise ValueError(f"unknown target {device_target!r}")
     if not 1 <= num_keys <= MAX_PREP_KEYS:
         raise ValueError(f"the routing preparation takes 1 to {MAX_PREP_KEYS} keys, not {num_keys}")
-    block_m = max(PREP_TILE_ELEMENTS[device_target] // block_e(num_keys), 1)
+    block_m = max(PREP_TILE_ELEMENTS[device_target] // block_e(num_keys), 2)
     return PrepTile(min(block_m, PREP_MAX_BLOCK_M))
 
 

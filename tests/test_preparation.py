@@ -131,7 +131,7 @@ CASES = [
     ("items-not-a-multiple-of-the-block", lambda: _ids(13, 3, 5, seed=7), 5, 3, 16, 2),
     ("more-programs-than-blocks", lambda: _ids(5, 2, 3, seed=8), 3, 2, 4, 64),
     ("one-program", lambda: _ids(50, 2, 8, seed=9), 8, 4, 8, 1),
-    ("block-m-1", lambda: _ids(9, 2, 3, seed=10), 3, 2, 1, 3),
+    ("block-m-2", lambda: _ids(9, 2, 3, seed=10), 3, 2, 2, 3),
 ]
 
 
