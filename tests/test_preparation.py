@@ -586,3 +586,23 @@ def test_preparation_property(experts, tokens, top_k, invalid, dtype, block, blo
         maps = indices.__dict__[routing._ROUTE_MAP_ATTR]
         kept = maps[(layout, capacity if layout == routing.BINNED else 0)][-1]
         assert torch.equal(kept, route_reference(indices, bins, pb, layout, capacity))
+
+
+def test_selftest_checks_the_preparation(monkeypatch):
+    """``python -m megablocks_ascend selftest`` (the first thing to run on an NPU) compares the
+    preparation and the stand-in's sort and histogram with the references, and notices a wrong one."""
+    from megablocks_ascend import selftest
+    gen = torch.Generator().manual_seed(0)
+    checked = selftest._preparation(40, 6, 2, 20, torch.device("cpu"), gen)
+    assert [name for name, _, _ in checked] == ["prepare_routing[dropless]", "prepare_routing[padded]",
+                                                "prepare_routing[binned]", "megablocks_ops.sort",
+                                                "megablocks_ops.histogram"]
+    assert all(ok for _, _, ok in checked)
+    real = preparation.prepare_routing
+
+    def wrong(*args, **kwargs):
+        indices, bin_ids, bins, tokens_per_expert, padded_bins = real(*args, **kwargs)
+        return indices.flip(0), bin_ids, bins, tokens_per_expert, padded_bins
+    monkeypatch.setattr(preparation, "prepare_routing", wrong)
+    checked = selftest._preparation(40, 6, 2, 20, torch.device("cpu"), gen)
+    assert [ok for _, _, ok in checked] == [False, False, False, True, True]
