@@ -37,7 +37,7 @@ compiled for an A2 vector core (``bishengir-compile``, docs/notes/routing-prepar
 int32 multiply-and-reduce over a ``[128, 32]`` tile needed 521 KiB of the 192 KiB Unified Buffer
 and the float32 one 123 KiB; float32 is exact here (0/1 times values below 2**16, sums of one
 term; ranks below 2**24). Keys are compared as float32 too: on Ascend's vector units an int32
-compare runs as scalar code (NOTES: triton-ascend performance guide). Offsets are int32 (the
+compare runs as scalar code (triton-ascend's performance guide). Offsets are int32 (the
 number of items is below 2**31, which validation checks).
 
 The same two kernels serve the ``megablocks_ops`` stand-in's ``sort`` (keys: a value's low
