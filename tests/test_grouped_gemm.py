@@ -370,16 +370,29 @@ def test_impl_name_cuda_selection_logic(monkeypatch):
     assert gg.gmm_impl_name(cuda_a(torch.bfloat16)) == 'loop'
 
 
+def _fake_npu_product(monkeypatch, name):
+    """Make megablocks_ascend.devices report NPU 0 as the product ``name`` (no NPU here)."""
+    from megablocks_ascend import devices
+    monkeypatch.setattr(devices, 'npu_product', lambda index: name)
+
+
 def test_impl_name_npu_selection_logic(monkeypatch):
-    """Selection logic for NPU tensors, without an NPU (fake torch_npu module)."""
+    """Selection logic for NPU tensors, without an NPU (fake torch_npu module): fp16/bf16 on
+    every product, fp32 on Atlas A2 (Ascend 910B) only, as torch_npu's docs list it; fp64 never."""
     npu_a = lambda dt: types.SimpleNamespace(device=types.SimpleNamespace(type='npu', index=0),
                                              dtype=dt)
     monkeypatch.setitem(sys.modules, 'torch_npu', types.ModuleType('torch_npu'))
     assert gg.gmm_impl_name(npu_a(torch.bfloat16)) == 'loop'      # no npu_grouped_matmul
     sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
+    _fake_npu_product(monkeypatch, 'Ascend910B4')
     assert gg.gmm_impl_name(npu_a(torch.bfloat16)) == 'npu_grouped_matmul'
     assert gg.gmm_impl_name(npu_a(torch.float16)) == 'npu_grouped_matmul'
-    assert gg.gmm_impl_name(npu_a(torch.float32)) == 'loop'
+    assert gg.gmm_impl_name(npu_a(torch.float32)) == 'npu_grouped_matmul'
+    assert gg.gmm_impl_name(npu_a(torch.float64)) == 'loop'
+    for other in ('Ascend910_9391', 'Ascend310P3'):                # A3, an inference card
+        _fake_npu_product(monkeypatch, other)
+        assert gg.gmm_impl_name(npu_a(torch.float32)) == 'loop', other
+        assert gg.gmm_impl_name(npu_a(torch.bfloat16)) == 'npu_grouped_matmul', other
 
 
 def test_grouped_mm_alignment_gate():
@@ -415,9 +428,11 @@ def test_grouped_mm_branch_with_recording_fake(monkeypatch, trans_a, trans_b):
     Proves: offsets are cumulative int32 on the operands' device; the views
     passed encode trans_a/trans_b the way torch._grouped_mm's 2d-3d / 2d-2d
     forms expect (the result matches the float64 reference); empty K-groups are
-    zeroed; ``c`` is filled and returned.  Does not prove anything about the
-    CUDA kernels, alignment on a real GPU, or performance.
+    zeroed where the kernel is not known to write them (CUDA, simulated here);
+    ``c`` is filled and returned.  Does not prove anything about the CUDA
+    kernels, alignment on a real GPU, or performance.
     """
+    monkeypatch.setattr(gg, '_grouped_mm_writes_empty_groups', lambda device: False)
     real = torch._grouped_mm
     calls = []
 
@@ -715,7 +730,9 @@ def test_device_sizes_with_no_rows_need_no_read(trans_a, trans_b):
 def test_grouped_mm_branch_device_sizes_with_recording_fake(monkeypatch, trans_a, trans_b):
     """``_gmm_grouped_mm`` with device sizes: the offsets handed to torch._grouped_mm are int32
     cumulative ends on the operands' device, computed without reading batch_sizes; empty groups
-    of the trans_a form are zeroed even when the kernel leaves garbage there."""
+    of the trans_a form are zeroed (on the device: kernels/grouped.py, in the interpreter here) where
+    the kernel is not known to write them (CUDA, simulated here) and leaves garbage there."""
+    monkeypatch.setattr(gg, '_grouped_mm_writes_empty_groups', lambda device: False)
     real = torch._grouped_mm
     calls = []
 
@@ -780,13 +797,25 @@ def test_takes_device_sizes_per_device(monkeypatch):
     monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: False)
     assert not gg.takes_device_sizes(cuda, bf, (2048, 768), 128)
 
+    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: True)
+    assert gg.takes_device_sizes(cuda, bf, (2048, 768), 1023)
+    assert not gg.takes_device_sizes(cuda, bf, (2048, 768), 1024)   # the CUTLASS kernel's limit
+
     npu = types.SimpleNamespace(type='npu', index=0)              # only its type is looked at
     monkeypatch.setitem(sys.modules, 'torch_npu', types.ModuleType('torch_npu'))
+    _fake_npu_product(monkeypatch, 'Ascend910B4')
     assert not gg.takes_device_sizes(npu, bf, (2048, 768), 128)      # no npu_grouped_matmul
     sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
+    # The empty-group fill of the weight gradients is a Triton kernel: no triton-ascend, no device sizes.
+    assert not gg._fill_kernel_runs(npu)                             # standard triton here
+    assert not gg.takes_device_sizes(npu, bf, (2048, 768), 128)
+    monkeypatch.setattr(gg, '_fill_kernel_runs', lambda device: True)
     assert gg.takes_device_sizes(npu, bf, (2048, 768), 128)
     assert gg.takes_device_sizes(npu, fp16, (2048, 766), 128)        # no 16-byte rule documented
-    assert not gg.takes_device_sizes(npu, fp32, (2048, 768), 128)
+    assert gg.takes_device_sizes(npu, fp32, (2048, 768), 128)        # Atlas A2: documented
+    _fake_npu_product(monkeypatch, 'Ascend910_9391')
+    assert not gg.takes_device_sizes(npu, fp32, (2048, 768), 128)    # A3: not documented -> loop
+    assert not gg.takes_device_sizes(npu, torch.float64, (2048, 768), 128)
     assert not gg.takes_device_sizes(npu, bf, (2048, 768), 2048)     # > 1024 groups
     assert not gg.takes_device_sizes(npu, bf, (65536, 768), 128)
 
