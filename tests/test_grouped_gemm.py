@@ -498,7 +498,10 @@ class _FakeTorchNpu(types.ModuleType):
         gl = group_list.tolist()
         sizes = gl if group_list_type == 1 else [e - s for s, e in zip([0] + gl[:-1], gl)]
         assert group_list_type in (0, 1) and min(sizes) >= 0
+        assert group_list_type == 0 or len(gl) != 1          # "cannot have length 1" (counts)
         xx, ww = x[0], weight[0]
+        # Non-quantized, single tensors: fp16, bf16, fp32 (A2), x and weight of one dtype; y the same.
+        assert xx.dtype == ww.dtype and xx.dtype in (torch.float16, torch.bfloat16, torch.float32)
         if group_type == 0:
             assert xx.ndim == 2 and ww.ndim == 3 and xx.is_contiguous()
             assert ww.is_contiguous() or ww.transpose(1, 2).is_contiguous()
@@ -557,6 +560,37 @@ def test_npu_branch_with_fake_torch_npu(monkeypatch, trans_a, trans_b):
         w = call['weight'][0]
         assert w.shape == (4, 8, 6)
         assert (w.stride(1) == 1) == trans_b
+
+
+@pytest.mark.parametrize('trans_a,trans_b', COMBOS)
+def test_npu_branch_float32(monkeypatch, trans_a, trans_b):
+    """float32 operands reach npu_grouped_matmul as they are (Atlas A2 documents them): one call,
+    float32 result, as accurate as the float64 reference allows; device sizes, no host read."""
+    fake = _FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, 'torch_npu', fake)
+    monkeypatch.setattr(gg, '_select_impl', lambda *args, **kw: 'npu_grouped_matmul')
+    monkeypatch.setattr(gg, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
+    sizes = [3, 0, 5, 2]
+    a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.float32, k=8, n=6)
+    out = gg.backend.gmm(a, b, bs, trans_a=trans_a, trans_b=trans_b)
+    (call,) = fake.calls
+    assert call['x'][0].dtype == torch.float32 and out.dtype == torch.float32
+    assert rel_err(out, ref_gmm(a, b, sizes, trans_a, trans_b)) < TOL[torch.float32]
+    if trans_a:
+        assert torch.count_nonzero(out[1]) == 0
+
+
+def test_npu_single_group_goes_to_the_loop(monkeypatch):
+    """One expert: npu_grouped_matmul's docs refuse a group_list of counts of length 1."""
+    monkeypatch.setitem(sys.modules, 'torch_npu', types.ModuleType('torch_npu'))
+    sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
+    npu = types.SimpleNamespace(type='npu', index=0)
+    a = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(8, 16), numel=lambda: 128)
+    one = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(1, 16, 24), numel=lambda: 384)
+    two = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(2, 16, 24), numel=lambda: 768)
+    assert gg.gmm_impl_name(a, one) == 'loop' and gg.gmm_impl_name(a, two) == 'npu_grouped_matmul'
+    monkeypatch.setattr(gg, '_fill_kernel_runs', lambda device: True)
+    assert not gg.takes_device_sizes(npu, torch.bfloat16, (2048, 768), 1)
 
 
 def test_full_dispatch_reaches_npu_branch(monkeypatch):

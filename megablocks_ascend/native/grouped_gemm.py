@@ -382,8 +382,8 @@ def _npu_usable(a, b, batch_sizes, trans_a, trans_b) -> bool:
         return False
     n_groups = batch_sizes.shape[0] if batch_sizes is not None else (
         None if trans_a else b.shape[0])
-    if n_groups is not None and not (1 <= n_groups <= _NPU_MAX_GROUPS):
-        return False
+    if n_groups is not None and not (2 <= n_groups <= _NPU_MAX_GROUPS):
+        return False                      # a group_list of counts "cannot have length 1" (docs)
     inner = (a.shape[1], b.shape[1]) if trans_a else (a.shape[1], *b.shape[1:])
     return max(inner) < _NPU_INNER_LIMIT
 
@@ -417,7 +417,8 @@ def takes_device_sizes(device: torch.device, dtype: torch.dtype, dims: tuple, gr
     if not dims or min(dims) <= 0 or groups < 1:
         return False
     if device.type == 'npu':
-        if not _npu_dtype_ok(dtype, device) or groups > _NPU_MAX_GROUPS or max(dims) >= _NPU_INNER_LIMIT:
+        if not _npu_dtype_ok(dtype, device) or not 2 <= groups <= _NPU_MAX_GROUPS \
+                or max(dims) >= _NPU_INNER_LIMIT:
             return False
         try:
             import torch_npu  # noqa: F401,PLC0415  (only reached for NPU tensors)
@@ -706,14 +707,16 @@ def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
       gradient.  This is the least-documented part of this branch.)
 
     Needs a torch_npu whose ``npu_grouped_matmul`` accepts ``group_type`` and
-    ``group_list_type`` (older releases do not).  fp16 and bf16; fp32 on Atlas A2
+    ``group_list_type`` (older releases do not).  Between 2 and 1024 groups: the
+    docs refuse a ``group_list`` of counts of length 1, and allow at most 1024
+    groups.  fp16 and bf16; fp32 on Atlas A2
     (Ascend 910B) only, where torch_npu 2.7.1's documentation lists float32
     x/weight/y for the non-quantized single-tensor forms with a tensor
     ``group_list`` (and CANN's aclnnGroupedMatmulV3 page: "x, weight, y single
     tensors, non-quantized: float32 supported"); fp32 elsewhere and fp64 go to
-    the loop.  At most 1024 groups, inner dims < 65536 (else: loop).  Empty
-    K-groups are zeroed explicitly (only their blocks), as the docs do not say
-    what the kernel writes for them.
+    the loop.  Inner dims < 65536 (else: loop).  Empty K-groups are zeroed
+    explicitly (only their blocks), as the docs do not say what the kernel
+    writes for them.
     """
     import torch_npu  # lazy: only importable on Ascend machines
 
