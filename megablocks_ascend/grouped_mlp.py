@@ -128,8 +128,8 @@ memory_optimized_grouped_mlp = MemoryOptimizedGroupedMLP.apply
 memory_optimized_grouped_glu = MemoryOptimizedGroupedGLU.apply
 
 # The upstream code these follow, undecorated, with its source fingerprint in MegaBlocks 0.10.0
-# (patching's source_fingerprint): the forwards are called as they are, the backwards re-expressed
-# above. The patch that calls these functions refuses to install over a different body.
+# (patching.registry.source_fingerprint): the forwards are called as they are, the backwards
+# re-expressed above. The patch that calls these functions refuses to install over another body.
 UPSTREAM = {
     "megablocks.layers.mlp:MemoryOptimizedGroupedMLP.forward": "25824f0d07fb1e7b",
     "megablocks.layers.mlp:MemoryOptimizedGroupedMLP.backward": "35596ccf0a77a011",

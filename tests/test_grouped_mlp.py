@@ -17,7 +17,7 @@ import megablocks_ascend  # noqa: F401  (the stand-ins and patches)
 from megablocks.layers import glu, mlp
 from megablocks.layers.arguments import DEFAULT_ACTIVATION_FN
 from megablocks_ascend import grouped_mlp
-from megablocks_ascend.patching import source_fingerprint
+from megablocks_ascend.patching.registry import source_fingerprint
 
 E, H, FFN = 4, 32, 48
 
@@ -138,3 +138,28 @@ def test_upstream_code_is_the_code_followed():
         module = __import__(owner, fromlist=[cls_name])
         fn = grouped_mlp._inner(getattr(getattr(module, cls_name), attr))
         assert source_fingerprint(fn) == fingerprint, target
+
+
+@pytest.mark.parametrize("mlp_type", ["mlp", "glu"])
+@pytest.mark.parametrize("activation", ["default", "relu"])
+def test_dmoe_memory_optimized_matches_plain(mlp_type, activation):
+    """MegaBlocks' dMoE with memory_optimized_mlp (through the patch's forwards, so through these
+    functions) against the same layer without it: same output and gradients; relu included, which
+    upstream's memory-optimized MLP cannot take."""
+    from megablocks.layers.arguments import Arguments
+    from megablocks.layers.dmoe import dMoE
+    act = DEFAULT_ACTIVATION_FN if activation == "default" else torch.nn.functional.relu
+    results = []
+    for memory_optimized in (False, True):
+        torch.manual_seed(0)
+        args = Arguments(hidden_size=H, ffn_hidden_size=FFN, moe_num_experts=E, moe_top_k=2, mlp_impl="grouped",
+                         mlp_type=mlp_type, memory_optimized_mlp=memory_optimized, activation_fn=act,
+                         fp16=False, bf16=False, moe_loss_weight=0.0)
+        layer = dMoE(args)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(6, 2, H, generator=g).requires_grad_()
+        out, bias = layer(x)
+        (out + bias).backward(torch.randn(6, 2, H, generator=g))
+        results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
