@@ -18,7 +18,8 @@ result while the buffer it would have overwritten is still referenced, as with t
 
 :func:`memory_optimized_grouped_mlp` and :func:`memory_optimized_grouped_glu` are what the
 ``grouped-mlp-device-sizes`` patch's forwards call when MegaBlocks uses the stand-in
-(``patches/grouped-mlp-device-sizes.md``). MegaBlocks is imported when they are first called.
+(``patches/grouped-mlp-device-sizes.md``). What they use of MegaBlocks is looked up by :func:`bind` (the patch calls it; otherwise the first
+forward does).
 """
 
 from __future__ import annotations
@@ -36,22 +37,37 @@ def _inner(method) -> Any:
     return getattr(fn, "__wrapped__", fn)
 
 
+# What the functions below use of MegaBlocks, looked up once (by bind(), which the patch calls when
+# it installs) rather than in the functions themselves, which torch.compile traces: upstream's
+# undecorated forwards, grouped_gemm_util (its backend at call time), gelu, the default activation.
+_mlp_forward = _glu_forward = _gg = _gelu = _default_activation = None
+
+
+def bind() -> None:
+    """Look up what the functions below use of MegaBlocks."""
+    global _mlp_forward, _glu_forward, _gg, _gelu, _default_activation
+    from megablocks import grouped_gemm_util  # noqa: PLC0415
+    from megablocks.layers import gelu, glu, mlp  # noqa: PLC0415
+    from megablocks.layers.arguments import DEFAULT_ACTIVATION_FN  # noqa: PLC0415
+    _mlp_forward = _inner(mlp.MemoryOptimizedGroupedMLP.forward)
+    _glu_forward = _inner(glu.MemoryOptimizedGroupedGLU.forward)
+    _gg, _gelu, _default_activation = grouped_gemm_util, gelu, DEFAULT_ACTIVATION_FN
+
+
 class MemoryOptimizedGroupedMLP(torch.autograd.Function):
     """``megablocks.layers.mlp.MemoryOptimizedGroupedMLP`` without the copies into ``c``."""
 
     @staticmethod
     @autocast.custom_fwd
     def forward(ctx, x, w1, w2, batch_sizes, activation_fn):
-        from megablocks.layers import mlp  # noqa: PLC0415
-        return _inner(mlp.MemoryOptimizedGroupedMLP.forward)(ctx, x, w1, w2, batch_sizes, activation_fn)
+        if _mlp_forward is None:
+            bind()
+        return _mlp_forward(ctx, x, w1, w2, batch_sizes, activation_fn)
 
     @staticmethod
     @autocast.custom_bwd
     def backward(ctx: Any, ddsd_out: torch.Tensor):
-        from megablocks import grouped_gemm_util as gg  # noqa: PLC0415
-        from megablocks.layers import gelu  # noqa: PLC0415
-        from megablocks.layers.arguments import DEFAULT_ACTIVATION_FN  # noqa: PLC0415
-
+        gg = _gg
         if not ctx.needs_input_grad[0] or not ctx.needs_input_grad[1] or not ctx.needs_input_grad[2]:
             raise ValueError("Expected all MLP inputs to need grad.")
         w1, w2, batch_sizes, x, sdd_out = ctx.saved_tensors
@@ -64,14 +80,14 @@ class MemoryOptimizedGroupedMLP(torch.autograd.Function):
             activation_grad_fn = activation_fn_out.backward
 
         dw2 = gg.backend.gmm(activation_fn_out, ddsd_out, batch_sizes, trans_a=True)
-        default = activation_fn is DEFAULT_ACTIVATION_FN
+        default = activation_fn is _default_activation
         if default:
             del activation_fn_out, activation_grad_fn  # upstream reuses this buffer for the next result
 
         # The activation's gradient, as returned (upstream: written into activation_fn_out).
         dactivation_fn_out = gg.backend.gmm(ddsd_out, w2, batch_sizes, trans_b=True)
         if default:
-            dsdd_out = gelu.gelu_backward_(dactivation_fn_out, sdd_out)
+            dsdd_out = _gelu.gelu_backward_(dactivation_fn_out, sdd_out)
         else:
             activation_grad_fn(dactivation_fn_out)
             dsdd_out = sdd_out.grad
@@ -88,14 +104,14 @@ class MemoryOptimizedGroupedGLU(torch.autograd.Function):
     @staticmethod
     @autocast.custom_fwd
     def forward(ctx, x, w1, v1, w2, batch_sizes, activation_fn):
-        from megablocks.layers import glu  # noqa: PLC0415
-        return _inner(glu.MemoryOptimizedGroupedGLU.forward)(ctx, x, w1, v1, w2, batch_sizes, activation_fn)
+        if _glu_forward is None:
+            bind()
+        return _glu_forward(ctx, x, w1, v1, w2, batch_sizes, activation_fn)
 
     @staticmethod
     @autocast.custom_bwd
     def backward(ctx, ddsd_out):
-        from megablocks import grouped_gemm_util as gg  # noqa: PLC0415
-
+        gg = _gg
         if not ctx.needs_input_grad[0] or not ctx.needs_input_grad[1] or not ctx.needs_input_grad[2]:
             raise ValueError("Expected all MLP inputs to need grad.")
         w1, v1, w2, batch_sizes, x, sdd_out, v1_out = ctx.saved_tensors

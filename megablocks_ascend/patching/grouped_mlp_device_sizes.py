@@ -111,6 +111,7 @@ def apply(p: Patch) -> None:
         if method is None:
             raise PatchError(f"{target} is missing")
         expect_source(target, grouped_mlp._inner(method), fingerprint)
+    grouped_mlp.bind()
     for target, (replacement, fingerprint) in GROUPED_FORWARDS.items():
         cls, attr = owner(target)
         original = cls.__dict__.get(attr)
