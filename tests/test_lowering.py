@@ -1,4 +1,4 @@
-"""The Ascend compile gate (megablocks_ascend.lowering) in the project venv (standard triton).
+"""The Ascend compile gate (megablocks_ascend.cli.lowering) in the project venv (standard triton).
 
 The IR fixtures below are pieces of real triton-ascend 3.2.0 ``ttadapter`` output for our kernels
 (constants and unrelated ops trimmed). The one test that lowers needs triton-ascend and is skipped
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megablocks_ascend import compat, devices, lowering
+from megablocks_ascend import compat, devices
+from megablocks_ascend.cli import lowering
 from megablocks_ascend.kernels import blocksparse, routing
 
 ROOT = Path(__file__).resolve().parents[1]
