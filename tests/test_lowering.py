@@ -310,7 +310,7 @@ def test_format_table_has_a_cube_table():
     lines = text.splitlines()
     assert lines[-1] == "lowered: 2/2"
     head = next(line for line in lines if line.startswith("kernel") and "matmul" in line)
-    assert "L0C bytes" in head and "tile DMA" in head
+    assert "L0C model" in head and "L0C planned" in head and "tile DMA" in head
     assert any(line.startswith("_dsd") and "131072" in line and "98304" in line for line in lines)
 
 
@@ -482,7 +482,7 @@ def test_format_table_last_line_and_failures():
     lines = text.splitlines()
     assert lines[-1] == "lowered: 1/2"
     assert lines[0].split()[:3] == ["kernel", "configuration", "status"]
-    assert "UB bytes" in lines[0] and "row DMA" in lines[0] and "scalar/hot" in lines[0]
+    assert "UB model" in lines[0] and "row DMA" in lines[0] and "scalar/hot" in lines[0]
     assert any(line.startswith("  _gather [fp16 H=1000]: NameError: DROPLESS") for line in lines)
     assert any(line.split()[0] == "_scatter" and "98624" in line for line in lines[2:])
 
