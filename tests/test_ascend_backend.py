@@ -233,7 +233,7 @@ def test_recorded_plans_name_their_compiler_and_cover_every_kernel():
 
 def _ub_model(entry):
     spec = next(s for s in lowering.KERNELS if s.name == entry["kernel"])
-    return lowering._model_ub(spec, entry["axes"], entry["constexprs"])
+    return lowering._model_ub(spec, entry["axes"], entry["constexprs"], entry["experts"])
 
 
 def test_memory_model_is_an_upper_bound_of_every_recorded_plan():
@@ -267,7 +267,8 @@ def test_every_tile_the_launchers_choose_was_planned():
         if spec.kind is None or spec.cube or "(set by hand)" in e["config"]:
             continue
         dtype = getattr(torch, lowering.DTYPES[e["axes"]["dtype"]][1])
-        t = devices.tile(spec.kind, dtype, e["axes"]["hidden"], "npu")
+        t = devices.tile(spec.kind, dtype, e["axes"]["hidden"], "npu",
+                         **lowering._tile_args(spec, e["axes"], e["experts"]))
         if (t.block_m, t.block_x) != (e["constexprs"]["BLOCK_M"], e["constexprs"]["BLOCK_X"]):
             stale.append((e["kernel"], e["config"], t))
     assert not stale, f"{len(stale)} recorded tiles are not what devices.tile picks now, e.g. {stale[:3]}"

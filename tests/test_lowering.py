@@ -53,6 +53,14 @@ def test_table_names_match_kernel_signature(spec):
     assert set(cfg.scalars) | set(spec.data_ptrs) | _index_ptrs(spec.name) == set(runtime)
 
 
+@pytest.mark.parametrize("spec", lowering.ROUTING_KERNELS, ids=lambda s: s.name)
+def test_table_knows_which_kernels_unroll_top_k(spec):
+    """Their Unified Buffer plan grows with top_k, so their launchers pass it to devices.tile."""
+    import inspect
+    source = inspect.getsource(lowering._kernel(spec).fn)
+    assert spec.unrolls_top_k == ("static_range(TOP_K)" in source)
+
+
 def _index_ptrs(name):
     return {"_sdd": {"row_indices", "column_indices"},
             "_dsd": {"offsets", "indices", "block_offsets"},
@@ -114,6 +122,7 @@ def _launcher_calls(monkeypatch, int64):
         monkeypatch.setattr(routing, name, _Recorder(name, calls))
     if int64:
         monkeypatch.setattr(routing, "_INT32_LIMIT", 1)  # every tensor counts as huge
+    monkeypatch.setattr(devices, "target", lambda device: "npu")  # the launchers choose NPU tiles
     tokens = 4
     # every row-gather launcher of the module (gather_rows, and gather_tokens_rows where it exists)
     gathers = [getattr(routing, n) for n in ("gather_rows", "gather_tokens_rows") if hasattr(routing, n)]
@@ -128,23 +137,21 @@ def _launcher_calls(monkeypatch, int64):
                 w = torch.ones(n, dtype=dtype)
                 y = torch.zeros(n, hidden, dtype=dtype)
                 s2r = torch.arange(n, dtype=torch.int32)
-                tiles = {k: devices.tile(k, dtype, hidden, "npu") for k in ("gather", "scatter", "wgrad")}
+                # each launcher picks its tile itself, as on an NPU (devices.target is "npu" here)
                 for weights in (None, w):
                     for layout in lowering.LAYOUTS:
                         for launcher in gathers:
                             launcher(x, indices, bins, bins, weights, layout=layout, num_rows=n, top_k=top_k,
-                                     capacity=n, tile=tiles["gather"], num_programs=1)
-                    routing.scatter_rows(y, s2r, weights, num_tokens=tokens, top_k=top_k,
-                                         tile=tiles["scatter"], num_programs=1)
+                                     capacity=n, num_programs=1)
+                    routing.scatter_rows(y, s2r, weights, num_tokens=tokens, top_k=top_k, num_programs=1)
                     for layout in lowering.LAYOUTS:
                         if top_k == 1:
                             routing.scatter_one_rows(y, indices, bins, bins, weights, layout=layout, capacity=n,
-                                                     tile=tiles["gather"], num_programs=1)
-                routing.wgrad_rows(y, x, s2r, top_k=top_k, tile=tiles["wgrad"], num_programs=1)
+                                                     num_programs=1)
+                routing.wgrad_rows(y, x, s2r, top_k=top_k, num_programs=1)
                 if top_k == 1:
                     for layout in lowering.LAYOUTS:
-                        routing.wgrad_one_rows(y, x, indices, bins, bins, layout=layout, capacity=n,
-                                               tile=tiles["wgrad"], num_programs=1)
+                        routing.wgrad_one_rows(y, x, indices, bins, bins, layout=layout, capacity=n, num_programs=1)
                 yield dname, hidden, calls
                 calls.clear()
     for layout in lowering.LAYOUTS:

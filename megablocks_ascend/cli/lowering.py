@@ -110,6 +110,7 @@ class KernelSpec:
     ptr_types: tuple = ()  # (argument, triton pointer type) of index pointers that are not *i32
     hot_step: str = "BLOCK_X"  # the constexpr stepping the loop analyze_ir calls hot
     no_scalar_hot: bool = False  # gated on scalar_hot == 0 although it moves no feature rows
+    unrolls_top_k: bool = False  # tl.static_range(TOP_K): its launcher passes top_k to devices.tile
 
 
 ROUTING_KERNELS = (
@@ -120,11 +121,11 @@ ROUTING_KERNELS = (
     KernelSpec("_gather_tokens", "gather",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
                     SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True, unrolls_top_k=True),
     KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False),
     KernelSpec("_scatter", "scatter",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "EVEN_X"), ("y", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "EVEN_X"), ("y", "out", "weights"), True, unrolls_top_k=True),
     KernelSpec("_scatter_one", "gather",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
                ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("y", "out", "weights"), True),
@@ -308,7 +309,8 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS, *, axes: dict | None = None
                 cube = None
                 if spec.kind is not None:
                     _, torch_name, _ = DTYPES[ax["dtype"]]
-                    t = devices.tile(spec.kind, getattr(torch, torch_name), ax["hidden"], "npu")
+                    t = devices.tile(spec.kind, getattr(torch, torch_name), ax["hidden"], "npu",
+                                     **_tile_args(spec, ax, experts))
                     constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=ax["hidden"] % t.block_x == 0)
                 else:
                     constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
@@ -326,17 +328,28 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS, *, axes: dict | None = None
                 if spec.cube:
                     t = devices.CubeTile(constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_K"])
                     cube = devices.cube_bytes(t, DTYPES[ax["dtype"]][2])
-            out.append(Config(spec.name, ax, constexprs, scalars, _model_ub(spec, ax, constexprs), cube,
+            out.append(Config(spec.name, ax, constexprs, scalars, _model_ub(spec, ax, constexprs, experts), cube,
                               experts, tuple(sorted(mine))))
     return out
 
 
-def _model_ub(spec: KernelSpec, axes: dict, constexprs: dict) -> int | None:
+def _tile_args(spec: KernelSpec, axes: dict, experts: int) -> dict:
+    """What a kernel's launcher passes to ``devices.tile`` besides the dtype and hidden size
+    (``routing._tile``): its top_k (kernels that unroll their slots) and expert count (those that
+    take the bins: the ``BLOCK_E`` kernels)."""
+    return dict(top_k=axes.get("TOP_K", 1) if spec.unrolls_top_k else 1,
+                num_experts=experts if "BLOCK_E" in spec.derived else 1)
+
+
+def _model_ub(spec: KernelSpec, axes: dict, constexprs: dict, experts: int = EXPERTS) -> int | None:
     """``devices.ub_bytes`` of a vector kernel's configuration (None: no feature tiles)."""
     from megablocks_ascend import devices  # noqa: PLC0415
     if spec.kind is None or spec.cube:
         return None
-    return devices.ub_bytes(spec.kind, constexprs["BLOCK_M"], constexprs["BLOCK_X"], DTYPES[axes["dtype"]][2])
+    args = _tile_args(spec, axes, experts)
+    return devices.ub_bytes(spec.kind, constexprs["BLOCK_M"], constexprs["BLOCK_X"], DTYPES[axes["dtype"]][2],
+                            even=bool(constexprs["EVEN_X"]), top_k=args["top_k"],
+                            block_e=devices.block_e(args["num_experts"]))
 
 
 def kernel_params(fn: Callable) -> tuple[list[str], list[str]]:
