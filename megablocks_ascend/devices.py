@@ -102,14 +102,14 @@ class UbModel:
 
 # Calibrated on bishengir-compile 1.2.0's plans for triton-ascend 3.2.0's IR (A2 and A3 targets):
 # the least coefficients (a linear program over every recorded plan of the kind's kernels) under
-# which the model bounds them all, rounded up. Kinds and their kernels: gather (_gather,
+# which the model bounds them all, rounded up, and 2 KiB more in the fixed part as a margin. Kinds and their kernels: gather (_gather,
 # _gather_tokens, _scatter_one), scatter (_scatter), wgrad (_wgrad, _wgrad_one; wgrad_walk is the
 # same kernel walking experts). docs/notes/ascend-backend.md has the data and how to refit.
 UB_MODELS = {
-    #                dtype  f32     masks   dtype/k f32/k  row  row/E  col/k  fixed
-    "gather": UbModel(0.5, 1.625, 1.5, 0.0, 0.0, 160, 8.125, 1.25, 7 * 1024),
-    "scatter": UbModel(0.3125, 0.8125, 1.5625, 0.75, 0.0, 320, 0.0, 1.125, 66 * 1024),
-    "wgrad": UbModel(1.0, 3.0625, 1.9375, 0.0, 0.0, 0, 2.125, 0.25, 17 * 1024),
+    #                 dtype   f32     masks   dtype/k f32/k   row  row/E  col/k  fixed
+    "gather": UbModel(0.5, 1.5625, 1.5, 0.0, 0.0, 192, 8.125, 1.25, 9 * 1024),
+    "scatter": UbModel(0.4375, 0.625, 1.375, 0.6875, 0.1875, 240, 0.0, 0.5, 76 * 1024),
+    "wgrad": UbModel(1.0, 3.0625, 1.9375, 0.0, 0.0, 0, 2.375, 0.125, 20 * 1024),
 }
 UB_MODELS["wgrad_walk"] = UB_MODELS["wgrad"]
 

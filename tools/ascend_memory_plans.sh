@@ -30,10 +30,11 @@ lower --only _gather --axis TOP_K=4,8 --axis INT64=false
 lower --only _wgrad --axis TOP_K=4,8 --axis INT64=false --axis dtype=bf16,fp32
 # 3. More experts (BLOCK_E 64 and 256): the gather's per-row search, the walks' vectors.
 for e in 64 256; do
-    for kernel in _gather _scatter_one _wgrad_one _route_map; do  # (_gather matches _gather_tokens too)
-        lower --only "$kernel" --experts "$e" --axis INT64=false --axis TOP_K=1,2 --axis dtype=bf16,fp32 \
-            --axis SCALE=true
-    done
+    fewer=(--experts "$e" --axis INT64=false --axis dtype=bf16,fp32)
+    lower --only _gather "${fewer[@]}" --axis TOP_K=1,2 --axis SCALE=true  # and _gather_tokens
+    lower --only _scatter_one "${fewer[@]}" --axis SCALE=true
+    lower --only _wgrad_one "${fewer[@]}"
+    lower --only _route_map --experts "$e"
 done
 # 4. Narrow feature tiles, many rows: hidden sizes below one 512-wide tile, even and uneven.
 lower --only _ --axis hidden=16,20,64,100,128,200,256 --axis INT64=false --axis LAYOUT=1 --axis TOP_K=1,2 \

@@ -982,6 +982,13 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    chosen = [s for s in KERNELS if not args.only or args.only in s.name]
+    unknown = [f"--axis {n}" for n in axes if not any(n in s.axes for s in chosen)]
+    unknown += [f"--set {n}" for n in overrides if not any(n in s.derived or n in s.axes for s in chosen)]
+    if unknown:
+        print(f"error: {', '.join(unknown)}: no kernel{' matching --only ' + args.only if args.only else ''} "
+              f"has it", file=sys.stderr)
+        return 2
     try:
         lowerer = Lowerer(args.arch)
     except TritonAscendMissing as exc:
