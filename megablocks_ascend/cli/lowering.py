@@ -1064,22 +1064,28 @@ def make_backend(lowerer: Lowerer, targets, jobs: int | None = None):
 def write_plans(path: str, results: list[dict], backend) -> None:
     """Merge the planned peaks of ``results`` into the JSON file ``path`` (the memory model's
     evidence, ``tests/data/ascend_memory_plans.json``): one entry per kernel and configuration
-    label, replacing an entry of the same key."""
+    label, replacing an entry of the same key; one entry per line."""
     p = Path(path)
     data = json.loads(p.read_text()) if p.is_file() else {}
     entries = {(e["kernel"], e["config"]): e for e in data.get("plans", [])}
+    capacity = data.get("capacity")
     for r in results:
         if not r.get("plan"):
             continue
+        if capacity is not None and r["plan"]["capacity"] != capacity:
+            raise ValueError(f"{r['kernel']} [{r['config']}]: capacities {r['plan']['capacity']} differ "
+                             f"from the file's {capacity}: record one target per file")
+        capacity = r["plan"]["capacity"]
         entries[(r["kernel"], r["config"])] = dict(
             kernel=r["kernel"], config=r["config"], axes=r["axes"], experts=r["experts"],
             constexprs={k: v for k, v in r["constexprs"].items() if not isinstance(v, str)},
-            peak=r["plan"]["peak"], capacity=r["plan"]["capacity"], status=r["status"])
-    data.update(compiler=backend.compiler.describe() if backend else data.get("compiler"),
-                target=backend.targets[0] if backend else data.get("target"),
-                plans=sorted(entries.values(), key=lambda e: (e["kernel"], e["config"])))
+            peak=r["plan"]["peak"], status=r["status"])
+    head = dict(compiler=backend.compiler.describe() if backend else data.get("compiler"),
+                target=backend.targets[0] if backend else data.get("target"), capacity=capacity)
+    lines = [json.dumps(e, sort_keys=True, separators=(",", ":"))
+             for e in sorted(entries.values(), key=lambda e: (e["kernel"], e["config"]))]
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=0, sort_keys=True) + "\n")
+    p.write_text(json.dumps(head, sort_keys=True)[:-1] + ', "plans": [\n' + ",\n".join(lines) + "\n]}\n")
 
 
 def add_arguments(parser) -> None:
