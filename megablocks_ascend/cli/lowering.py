@@ -1052,13 +1052,18 @@ def make_backend(lowerer: Lowerer, targets, jobs: int | None = None):
     from triton.backends.ascend import compiler as ascend  # noqa: PLC0415
 
     from megablocks_ascend.cli import bishengir  # noqa: PLC0415
-    problems = bishengir.check_npubin_source(inspect.getsource(ascend.linalg_to_bin_enable_npu_compile_A2_A3))
+    stage, strip = (getattr(ascend, n, None) for n in ("linalg_to_bin_enable_npu_compile_A2_A3", "_parse_linalg_metadata"))
+    if stage is None or strip is None:
+        raise bishengir.StageMismatch(
+            "this triton-ascend has no linalg_to_bin_enable_npu_compile_A2_A3 / _parse_linalg_metadata "
+            "(the gate is written against triton-ascend 3.2.0's npubin stage)")
+    problems = bishengir.check_npubin_source(inspect.getsource(stage))
     if problems:
         raise bishengir.StageMismatch(
             "triton-ascend's npubin stage differs from the flags the gate passes (megablocks_ascend/cli/"
             "bishengir.py, OPTION_FLAGS): " + "; ".join(problems))
     return bishengir.Stage(bishengir.find_compiler("a2a3"), tuple(targets), lowerer.backend.parse_options({}),
-                           lambda linalg: ascend._parse_linalg_metadata(linalg, {}), jobs=jobs)
+                           lambda linalg: strip(linalg, {}), jobs=jobs)
 
 
 def write_plans(path: str, results: list[dict], backend) -> None:
