@@ -142,11 +142,14 @@ def test_npubin_flags_are_triton_ascends():
         "--enable-hfusion-compile=true", "--enable-hivm-compile=true", "--enable-triton-kernel-compile=true"]
     assert "--enable-hivm-graph-sync-solver=False" in bishengir.npubin_flags("Ascend910B4",
                                                                               _npu_options(sync_solver=False))
+    # a compiler whose --help mentions reg-based gets --reg-based=true instead of the HIVM flag, as there
+    reg = bishengir.npubin_flags("Ascend910B4", _npu_options(), reg_based=True)
+    assert "--reg-based=true" in reg and "--enable-hivm-compile=true" not in reg
 
 
 def test_source_check_names_what_changed():
     source = "\n".join([f'x = metadata["{f}"]\n  "{flag}={{x}}"' for f, flag in bishengir.OPTION_FLAGS] +
-                       [f'"{flag}"' for flag in bishengir.TAIL_FLAGS + bishengir.ENV_FLAGS] +
+                       [f'"{flag}"' for flag in bishengir.TAIL_FLAGS + bishengir.ENV_FLAGS + ("--reg-based=true",)] +
                        ['f"--target={arch}"', "linalg, metadata = _parse_linalg_metadata(linalg, metadata)"])
     assert bishengir.check_npubin_source(source) == []
     assert bishengir.check_npubin_source(source.replace("--enable-hivm-graph-sync-solver", "--sync")) == [

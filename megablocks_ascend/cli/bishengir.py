@@ -67,6 +67,7 @@ class Compiler:
     build: str  # "a2a3" or "a5"
     source: str  # "wheel ascendnpu-ir X.Y.Z" or "PATH"
     version: str  # its --version, one line
+    reg_based: bool = False  # its --help mentions reg-based: triton-ascend then passes --reg-based=true
 
     def describe(self) -> str:
         return f"{self.version} [{self.source}]"
@@ -121,7 +122,8 @@ def find_compiler(build: str = "a2a3") -> Compiler:
             f"{name} not found: neither the {WHEEL} wheel nor PATH has it. The compile gate's back-end "
             f"stage needs it: `pip install {WHEEL}=={WHEEL_PIN}` in the lowering venv (tools/"
             f"ascend_lowering_env.sh does), or run `lower --front-end-only`.")
-    return Compiler(path, build, source, version_line(path))
+    help_text = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60).stdout
+    return Compiler(path, build, source, version_line(path), reg_based="reg-based" in help_text)
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ ENV_FLAGS = ("--enable-sanitizer=true", "--enable-debug-info=true", "--enable-pr
              "--enable-auto-blockify-loop")
 
 
-def npubin_flags(arch: str, options) -> list[str]:
+def npubin_flags(arch: str, options, reg_based: bool = False) -> list[str]:
     """The options triton-ascend 3.2.0 passes to bishengir-compile for an A2/A3 target ``arch``,
     from the kernel's NPU options (``AscendBackend.parse_options({})``: the defaults)."""
     flags = [f"--target={arch}"]
@@ -163,7 +165,10 @@ def npubin_flags(arch: str, options) -> list[str]:
         value = getattr(options, field)
         if value is not None:
             flags.append(f"{flag}={value}")
-    return flags + list(TAIL_FLAGS)
+    tail = list(TAIL_FLAGS)
+    if reg_based:
+        tail[tail.index("--enable-hivm-compile=true")] = "--reg-based=true"
+    return flags + tail
 
 
 def check_npubin_source(source: str) -> list[str]:
@@ -177,6 +182,8 @@ def check_npubin_source(source: str) -> list[str]:
         key = flag.split("=")[0] if flag != "--enable-hivm-compile=true" else flag
         if key not in source:
             problems.append(f"{flag} not in the stage's source")
+    if '"--reg-based=true"' not in source:
+        problems.append("--reg-based=true (for a reg-based compiler) not in the stage's source")
     if "_parse_linalg_metadata(linalg, metadata)" not in source:
         problems.append("the stage no longer strips the adapter's metadata with _parse_linalg_metadata")
     return problems
@@ -249,7 +256,8 @@ def run(compiler: Compiler, linalg: str, flags: list[str], *, keep: str | None =
         seconds = time.perf_counter() - t0
         planned_path = temps / PLANNED_MODULE
         planned = planned_path.read_text() if planned_path.is_file() else None
-        (work / "bishengir.log").write_text(output) if keep else None
+        if keep:
+            (work / "bishengir.log").write_text(output)
         status, problems, log = classify(rc, output, planned)
         plan = None
         if planned is not None:
@@ -360,7 +368,7 @@ class Stage:
         self.jobs = max(1, jobs or cores)
 
     def flags(self, target: str) -> list[str]:
-        return npubin_flags(target, self.options)
+        return npubin_flags(target, self.options, self.compiler.reg_based)
 
     def describe(self) -> list[str]:
         return [f"back end: {self.compiler.describe()}, to the hivmc handoff",
