@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from megablocks_ascend import doctor, selftest
+from megablocks_ascend.cli import doctor, selftest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -501,8 +501,14 @@ def _needs_int64(*numels: int) -> bool:
     return max(numels) >= _INT32_LIMIT
 
 
-def _tile(kind, dtype, hidden, device, tile):
-    return tile if tile is not None else devices.tile(kind, dtype, hidden, devices.target(device))
+def _tile(kind, dtype, hidden, device, tile, *, top_k=1, bins=None):
+    """The launcher's tile: ``tile`` if given, else the device's. On an NPU it also depends on the
+    expert count (``bins``) and, for the kernels that unroll their top_k slots (the token-major
+    gather and scatter), on ``top_k``: the Unified Buffer plan grows with both (``devices.ub_bytes``)."""
+    if tile is not None:
+        return tile
+    experts = bins.shape[0] if bins is not None else 1
+    return devices.tile(kind, dtype, hidden, devices.target(device), top_k=top_k, num_experts=experts)
 
 
 def _grid(device, work: int, num_programs):
@@ -517,7 +523,7 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
         return out
-    t = _tile("gather", x.dtype, hidden, x.device, tile)
+    t = _tile("gather", x.dtype, hidden, x.device, tile, bins=bins)
     _gather[_grid(x.device, _cdiv(num_rows, t.block_m), num_programs)](
         x, out, indices, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else x,
@@ -541,7 +547,7 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
         return out
     slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                             num_programs=num_programs)
-    t = _tile("gather", x.dtype, hidden, x.device, tile)
+    t = _tile("gather", x.dtype, hidden, x.device, tile, top_k=top_k, bins=bins)
     work = max(_cdiv(x.shape[0], t.block_m), _walk_blocks(num_rows, t.block_m, bins) if layout != DROPLESS else 0)
     _gather_tokens[_grid(x.device, work, num_programs)](
         x, buffer, slot_to_row, bins, padded_bins if padded_bins is not None else bins,
@@ -642,7 +648,7 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
     out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
     if num_tokens == 0 or hidden == 0:
         return out
-    t = _tile("scatter", y.dtype, hidden, y.device, tile)
+    t = _tile("scatter", y.dtype, hidden, y.device, tile, top_k=top_k)
     _scatter[_grid(y.device, _cdiv(num_tokens, t.block_m), num_programs)](
         y, out, slot_to_row, weights if weights is not None else y,
         num_tokens, y.shape[0], hidden,
@@ -662,7 +668,7 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
     out = buffer[:n]
     if n == 0 or hidden == 0:
         return out
-    t = _tile("gather", y.dtype, hidden, y.device, tile)
+    t = _tile("gather", y.dtype, hidden, y.device, tile, bins=bins)
     _scatter_one[_grid(y.device, _walk_blocks(n, t.block_m, bins), num_programs)](
         y, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
         weights if weights is not None else y,
@@ -715,7 +721,7 @@ def wgrad_one_rows(y, grad, indices, bins, padded_bins, *, layout, capacity=0, t
         return out
     if hidden == 0:
         return out.zero_()
-    t = _tile("wgrad" if layout == DROPLESS else "wgrad_walk", y.dtype, hidden, y.device, tile)
+    t = _tile("wgrad" if layout == DROPLESS else "wgrad_walk", y.dtype, hidden, y.device, tile, bins=bins)
     _wgrad_one[_grid(y.device, _walk_blocks(n, t.block_m, bins), num_programs)](
         y, grad, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
         n, bins.shape[0], y.shape[0], hidden, capacity,
