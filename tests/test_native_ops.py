@@ -195,6 +195,25 @@ def test_cumsum_2d(dtype, exclusive):
 
 
 @pytest.mark.parametrize("exclusive", [False, True])
+def test_cumsum_in_place(exclusive):
+    """``out`` may be ``x`` itself (CUB's scans allow it): the result is the scan of ``x`` as it
+    was before the call, not of values the scan has already overwritten."""
+    x = torch.randint(-50, 100, (2, 29), generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    want = cumsum_loop(x.tolist(), exclusive)
+    fn = native.exclusive_cumsum if exclusive else native.inclusive_cumsum
+    fn(x, 1, x)
+    assert x.tolist() == want
+
+
+def test_cumsum_out_of_another_shape_is_refused():
+    x = torch.ones(2, 3, dtype=torch.int32)
+    out = torch.full((2, 4), 7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'out' must have the shape of 'x'"):
+        native.inclusive_cumsum(x, 1, out)
+    assert out.eq(7).all()  # untouched
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
 def test_cumsum_1d_through_megablocks(exclusive):
     """megablocks.ops.*_cumsum(x, 0) on a 1-D tensor: viewed as one row, then squeezed
     (a single expert gives a 0-d tensor, which MegaBlocks' layers promote back to 1-D)."""
