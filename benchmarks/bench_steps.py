@@ -37,6 +37,12 @@ not work) is an error row with the exception, and the run goes on. Per row:
                ``torch.profiler`` records over ``--profile-steps`` steps, divided by them;
 ``busy``       kernel ms / wall ms;
 ``syncs``      synchronizing CUDA calls per eager step (``torch.cuda.set_sync_debug_mode``);
+``launches``   per eager step, the aten ops that launch a device kernel plus the Triton launches
+               (``tests/launch_counts.py``'s ``LaunchCounter``: what the CPU regression test
+               counts, on this device); ``--launches-by-line`` keeps each row's launches by
+               source line in the JSON;
+``kernels``    per step, the GPU kernels (and memcpy/memset) ``torch.profiler`` records, the
+               same ones ``kernel ms`` sums (one aten op can be several: a radix sort is ~10);
 ``vs up``      the wall time of upstream's eager step (``cuda`` backend, ``eager``, same config,
                layer, precision and mlp_impl) divided by this row's: > 1 is faster;
 ``err``        largest relative (L2) error of the step's output and every gradient against
@@ -69,7 +75,7 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks"):
+for p in (REPO, REPO / "benchmarks", REPO / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -77,6 +83,7 @@ import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
 import torch  # noqa: E402
 
 import bench_routing as br  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
 from megablocks_ascend import backends  # noqa: E402
 
 TOKENS = 8192
@@ -288,19 +295,34 @@ def time_steps(run, device, steps):
 
 
 def kernel_ms(run, device, steps):
-    """GPU time per step: the kernels (and memcpy/memset) torch.profiler records, summed."""
+    """``(ms, count)``: GPU time and kernels per step, from the kernels (and memcpy/memset)
+    torch.profiler records."""
     if device.type != "cuda":
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-    total = 0.0
+    total, count = 0.0, 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             total += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-    return total / steps / 1e3 if total else None
+            count += 1
+    return (total / steps / 1e3 if total else None), count / steps
+
+
+def count_launches(run, device, by_line):
+    """``(launches, by line)`` of one eager step: aten ops that launch a kernel plus Triton launches
+    (``LaunchCounter``; on the CPU every op counts, on a GPU the ops on it)."""
+    with LaunchCounter(device=None if device.type == "cpu" else device.type, where=by_line) as counted:
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    lines = None
+    if by_line:
+        lines = [dict(n=n, name=name, where=where) for (where, name), n in counted.by_where().items()]
+    return counted.total, lines
 
 
 def count_syncs(run, device):
@@ -336,11 +358,14 @@ def run_variant(v, case, reference, eager_of_backend, args, device):
         if not row["ok"]:
             return row, got
         row["wall_ms"], row["host_ms"] = time_steps(run, device, args.steps)
-        row["kernel_ms"] = kernel_ms(run, device, args.profile_steps)
+        row["kernel_ms"], row["kernels"] = kernel_ms(run, device, args.profile_steps)
         if row["kernel_ms"]:
             row["busy"] = row["kernel_ms"] / row["wall_ms"]
         if v.mode == "eager":
             row["syncs"] = count_syncs(run, device)
+            row["launches"], lines = count_launches(run, device, args.launches_by_line)
+            if lines is not None:
+                row["launches_by_line"] = lines
     return row, got
 
 
@@ -352,6 +377,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--launches-by-line", action="store_true",
+                    help="keep each eager row's launches by source line in the JSON (slower count)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--name", default="bench_steps")
     args = ap.parse_args(argv)
@@ -371,6 +398,7 @@ def main(argv=None):
     env = br.environment(device)
     env.update(tokens=tokens, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
                reference_backend=reference_backend, kernel_time="torch.profiler, CUDA kernels + memcpy/memset",
+               launches="tests/launch_counts.py LaunchCounter: aten ops that launch a kernel + Triton launches",
                wall_time="CUDA events at each step's start (median)")
     log(f"environment: {json.dumps(env)}")
     log(f"{len(variants)} variants")
@@ -440,7 +468,8 @@ def table(rows):
         v = r.get(key)
         return format(v, fmt).rjust(width) if v is not None else "-".rjust(width)
     head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} "
-            f"{'wall ms':>8s} {'host ms':>8s} {'kern ms':>8s} {'busy':>5s} {'syncs':>5s} {'vs up':>6s} "
+            f"{'wall ms':>8s} {'host ms':>8s} {'kern ms':>8s} {'busy':>5s} {'syncs':>5s} {'launch':>6s} "
+            f"{'kernels':>7s} {'vs up':>6s} "
             f"{'err':>8s} {'self':>8s}")
     out = [head]
     for r in rows:
@@ -451,6 +480,7 @@ def table(rows):
             continue
         out.append(lead + f(r, "wall_ms", ".3f", 8) + " " + f(r, "host_ms", ".3f", 8) + " "
                    + f(r, "kernel_ms", ".3f", 8) + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
+                   + " " + f(r, "launches", "d", 6) + " " + f(r, "kernels", ".0f", 7)
                    + " " + f(r, "vs_up", ".2f", 5) + "x " + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
                    + ("" if r.get("ok", True) else "  FAIL"))
     return "\n".join(out)

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from launch_counts import LaunchCounter, count_step, layer_step
+from launch_counts import LaunchCounter, count_step, layer_step, upstream_kernels
 from megablocks_ascend.native import grouped_gemm
 
 # The grouped GEMM stand-in runs torch._grouped_mm on CPU tensors from torch 2.9 (one op per GEMM,
@@ -150,3 +150,19 @@ def test_only_ops_on_the_named_device_count():
     with LaunchCounter(device="cpu") as counted:  # the CPU as the device: every op counts
         x + 1
     assert counted.total == 1
+
+
+def test_upstream_kernels_lifts_our_routing_for_the_block_only():
+    import megablocks.backend.kernels as kernels
+    import megablocks.ops as ops
+    import stk.backend.triton_kernels as stk_kernels
+
+    ours = (kernels.gather, ops.gather, stk_kernels.sdd)
+    assert all(getattr(f, "__megablocks_ascend__", False) or f.__module__.startswith("megablocks_ascend")
+               for f in ours)
+    with upstream_kernels():
+        assert kernels.gather.__module__ == "megablocks.backend.kernels"
+        assert ops.gather.__self__.__module__ == "megablocks.ops.gather"
+        assert stk_kernels.sdd.__module__ == "stk.backend.triton_kernels"
+        assert kernels._binned_copy.configs == kernels._binned_copy.configs[:1]
+    assert (kernels.gather, ops.gather, stk_kernels.sdd) == ours
