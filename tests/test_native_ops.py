@@ -201,8 +201,15 @@ def test_cumsum_in_place(exclusive):
     x = torch.randint(-50, 100, (2, 29), generator=torch.Generator().manual_seed(3)).to(torch.int32)
     want = cumsum_loop(x.tolist(), exclusive)
     fn = native.exclusive_cumsum if exclusive else native.inclusive_cumsum
+    y = x.clone()
     fn(x, 1, x)
     assert x.tolist() == want
+
+    def in_place(t):  # traced: storage cannot be asked for there, aliasing is assumed
+        fn(t, 1, t)
+        return t
+
+    assert torch.compile(in_place, fullgraph=True)(y).tolist() == want
 
 
 def test_cumsum_out_of_another_shape_is_refused():
@@ -268,6 +275,19 @@ def test_indices(padded_bins, block_size, rows, columns):
     if padded_bins[-1] // block_size == rows:
         # MegaBlocks' wrapper starts from torch.empty: compare only when every row is written.
         assert mb_ops.topology(pb, block_size, rows, columns).tolist() == expected
+
+
+def test_indices_traces_under_compile():
+    """The sparse dMoE's topology under torch.compile: the same values, rows past the bins kept."""
+    pb = torch.tensor([4, 4, 12, 20, 20], dtype=torch.int32)
+
+    def topology(padded_bins, out):
+        native.indices(padded_bins, 4, 6, 3, out)
+        return out
+
+    want = indices_loop(pb.tolist(), 4, 6, 3, [-7] * 18)
+    got = torch.compile(topology, fullgraph=True)(pb, torch.full((18,), -7, dtype=torch.int16))
+    assert got.tolist() == want
 
 
 def test_indices_match_dmoe_topology_shape():
