@@ -142,4 +142,4 @@ def replicate_backward(grad: torch.Tensor, bins: torch.Tensor, out: torch.Tensor
                                     output_size=grad.shape[1])
     acc = torch.zeros(out.shape, dtype=torch.float32, device=grad.device)
     acc.index_add_(1, owner, grad.float())
-    out.copy_(acc.to(out.dtype))
+    out.copy_(acc)  # copy_ casts: no separate cast launch
