@@ -377,7 +377,7 @@ LAYERS = ("MoE", "dMoE-grouped", "dMoE-sparse")
 
 def layer_step(layer: str, *, experts: int = 16, top_k: int = 4, tokens: int = 64, hidden: int = 64,
                ffn: int = 128, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0, backend: str | None = None):
+               seed: int = 0, backend: str | None = None, amp: torch.dtype | None = None):
     """``step()``: one training step of MegaBlocks' own layer ``layer`` (one of :data:`LAYERS`),
     its routing served by ``backend``: a ``MEGABLOCKS_BACKEND`` value, ``"upstream"`` (MegaBlocks'
     and stk's own kernels: the ``cuda`` backend on CUDA tensors, :func:`upstream_kernels` on CPU
@@ -388,7 +388,9 @@ def layer_step(layer: str, *, experts: int = 16, top_k: int = 4, tokens: int = 6
     ``tokens`` tokens (sequence ``tokens``, batch 1). A step is what a training loop does per
     layer: gradients set to ``None``, the forward, the load-balancing loss
     (``batched_load_balancing_loss``), one backward through the output (with a fixed output
-    gradient) and the loss together, and the loss list cleared. ``ffn`` must be a multiple of 128
+    gradient) and the loss together, and the loss list cleared. With ``amp`` (``torch.bfloat16``,
+    say) the parameters and input are ``dtype`` and the forward and the loss run under
+    ``torch.autocast`` to ``amp`` (the backward outside it, as a training loop does). ``ffn`` must be a multiple of 128
     for the sparse dMoE (MegaBlocks' block size), and stk's own kernels (:func:`upstream_kernels`)
     also need ``hidden`` to be one.
     """
@@ -421,9 +423,10 @@ def layer_step(layer: str, *, experts: int = 16, top_k: int = 4, tokens: int = 6
         module.zero_grad(set_to_none=True)
         x.grad = None
         with serving():
-            out = module(x)
-            loss = batched_load_balancing_loss(args)
-            torch.autograd.backward([out, loss], [g, None])
+            with torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext():
+                out = module(x)
+                loss = batched_load_balancing_loss(args)
+            torch.autograd.backward([out, loss], [g.to(out.dtype), None])
         clear_load_balancing_loss()
         return out
 
