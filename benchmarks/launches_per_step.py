@@ -17,6 +17,7 @@ column, it is not meant to be lean).
 
 Writes ``NAME.json`` (every launch with its line; the profiler's kernel names on CUDA) and
 ``NAME.md`` (the tables of docs/notes/launches-per-step.md) to ``--out``.
+``--amp``: float32 parameters and the forward under ``torch.autocast(bfloat16)``.
 The default shape (E=16, top_k=4, 64 tokens, hidden 128, ffn 128, float32 on CPU and bf16 on CUDA) is
 the regression test's with hidden 128, which stk's own kernels need (the count does not depend on it).
 """
@@ -68,9 +69,10 @@ def profile_kernels(step, steps=3):
 
 
 def count(layer, backend, device, args):
+    dtype = torch.float32 if args.amp or device.type != "cuda" else torch.bfloat16
     step = layer_step(layer, backend=backend, device=device, experts=args.experts, top_k=args.top_k,
-                      tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
-                      dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+                      tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, dtype=dtype,
+                      amp=torch.bfloat16 if args.amp else None)
     counted = count_step(step, device=device.type if device.type != "cpu" else None, where=True)
     row = dict(layer=layer, backend=backend, total=counted.total, aten=counted.aten, triton=counted.triton,
                launches=[dict(name=e.name, where=e.where, origin=origin(e.where)) for e in counted.events])
@@ -127,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--ffn", type=int, default=128)
+    ap.add_argument("--amp", action="store_true",
+                    help="float32 parameters, the forward under torch.autocast(bfloat16)")
     ap.add_argument("--out", default=None, help="directory for NAME.json and NAME.md (default: print only)")
     ap.add_argument("--name", default="launches_per_step")
     args = ap.parse_args(argv)
@@ -154,7 +158,8 @@ def main(argv=None):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         env = br.environment(device)
-        env.update(experts=args.experts, top_k=args.top_k, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn)
+        env.update(experts=args.experts, top_k=args.top_k, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
+                   precision="amp-bf16" if args.amp else ("bf16" if device.type == "cuda" else "float32"))
         (out / f"{args.name}.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
         (out / f"{args.name}.md").write_text(text + "\n")
     return 0
