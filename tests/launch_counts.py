@@ -203,8 +203,13 @@ class _TritonHook:
     @classmethod
     def add(cls, counter) -> None:
         if not cls.listeners:
-            for owner, method in _triton_launchers():
-                original = owner.__dict__[method]
+            found = {(owner, method): owner.__dict__.get(method) for owner, method in _triton_launchers()}
+            for (owner, method), original in found.items():
+                if original is None:  # a Triton this counter was not written for: say so, undercount nothing
+                    import triton  # noqa: PLC0415
+                    raise RuntimeError(f"LaunchCounter: Triton {triton.__version__}'s {owner.__name__} has no "
+                                       f"{method} of its own to hook, so its launches could not be counted")
+            for (owner, method), original in found.items():
                 cls.originals[(owner, method)] = original
                 setattr(owner, method, cls._wrap(original))
         cls.listeners.append(counter)

@@ -98,6 +98,9 @@ def test_triton_launch_counts_once_and_the_interpreters_copies_not_at_all():
         got = gather()
     assert counted.by_name() == {"triton:_gather": 1}, counted.report()
     assert torch.equal(got, want)
+    from triton.runtime.interpreter import GridExecutor
+    from triton.runtime.jit import JITFunction
+    assert not hasattr(GridExecutor.__call__, "__wrapped__") and not hasattr(JITFunction.run, "__wrapped__")
 
 
 def test_views_and_allocations_launch_nothing_and_compute_ops_launch_once():
