@@ -5,8 +5,8 @@
 * every **aten op that would launch a device kernel** (a ``TorchDispatchMode``): each op that
   reaches the dispatcher, except views and other ops that only make or change tensor metadata
   (:func:`launches_kernel` says which), counted once even where its device implementation is
-  several kernels (a CUB radix sort is ~10, a cumsum 1-3; ``torch.profiler`` on a GPU counts those,
-  see ``benchmarks/bench_steps.py --kernels``);
+  several kernels (a CUB radix sort is ~10, a cumsum 1-3; ``torch.profiler`` on a GPU counts those:
+  ``benchmarks/bench_steps.py``'s ``kernels`` column, ``benchmarks/launches_per_step.py``);
 * every **Triton kernel launch**: the Triton launcher is hooked (``JITFunction.run`` compiled,
   ``GridExecutor.__call__`` in the interpreter; an autotuned or heuristics-wrapped kernel ends
   there too, so every Triton kernel is counted once per launch, ours, MegaBlocks' and stk's alike).
@@ -30,9 +30,10 @@ forward that created it (recorded by anomaly mode with its NaN checks off, which
         step()
     launches.total, launches.by_name(), print(launches.report())
 
-A ``torch.library`` custom op reaches the dispatch mode as one opaque op; the counter runs its
-Python implementation itself under a fresh counter sharing these events (as ``host_syncs`` does),
-and fails on a custom op whose implementation it cannot find rather than hide its launches.
+A ``torch.library`` custom op reaches the dispatch mode as one opaque op (and runs its Python
+implementation with the mode off); the counter runs that implementation itself under the mode (as
+``host_syncs`` does), and fails on a custom op whose implementation it cannot find rather than
+hide its launches.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_aten = torch.ops.aten
-
 # Ops that launch nothing: allocation without initialisation, and metadata-only ops whose schema
 # does not mark their output as an alias (views that do are found from the schema).
 NO_KERNEL = frozenset({
@@ -58,7 +57,6 @@ NO_KERNEL = frozenset({
     "aten.sym_size.int", "aten.sym_stride.int", "aten.sym_numel.default", "aten.sym_storage_offset.default",
     "aten.is_same_size.default", "aten.is_contiguous.default", "aten.is_contiguous.memory_format",
     "aten.dim.default", "aten.size.default", "aten.stride.default", "aten.numel.default",
-    "aten._nested_tensor_from_mask_left_aligned.default",
 })
 
 _BUILTIN_NAMESPACES = ("aten", "prim", "prims")
