@@ -53,6 +53,12 @@ not work) is an error row with the exception, and the run goes on. Per row:
                at the start of the run; ``x floor`` = wall ms / floor ms;
 ``busy``       kernel ms / wall ms;
 ``syncs``      synchronizing CUDA calls per eager step (``torch.cuda.set_sync_debug_mode``);
+``launches``   per eager step, the aten ops that launch a device kernel plus the Triton launches
+               (``tests/launch_counts.py``'s ``LaunchCounter``: what the CPU regression test
+               counts, on this device); ``--launches-by-line`` keeps each row's launches by
+               source line in the JSON;
+``kernels``    per step, the GPU kernels (and memcpy/memset) ``torch.profiler`` records, the
+               same ones ``kernel ms`` sums (one aten op can be several: a radix sort is ~10);
 ``vs up``      the wall time of upstream's eager step (``cuda`` backend, ``eager``, same config,
                layer, precision and mlp_impl) divided by this row's: > 1 is faster;
 ``err``        largest relative (L2) error of the step's output and every gradient against
@@ -88,7 +94,7 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks"):
+for p in (REPO, REPO / "benchmarks", REPO / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -96,6 +102,7 @@ import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
 import torch  # noqa: E402
 
 import bench_routing as br  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
 from megablocks_ascend import backends  # noqa: E402
 
 TOKENS = 8192
@@ -361,6 +368,19 @@ def routing_bytes(v, configs, tokens, dtype):
     return 2 * gather + weighted + scatter + wgrad
 
 
+def count_launches(run, device, by_line):
+    """``(launches, by line)`` of one eager step: aten ops that launch a kernel plus Triton launches
+    (``LaunchCounter``; on the CPU every op counts, on a GPU the ops on it)."""
+    with LaunchCounter(device=None if device.type == "cpu" else device.type, where=by_line) as counted:
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    lines = None
+    if by_line:
+        lines = [dict(n=n, name=name, where=where) for (where, name), n in counted.by_where().items()]
+    return counted.total, lines
+
+
 def count_syncs(run, device):
     """Synchronizing CUDA calls in one step (torch's sync debug mode, as warnings)."""
     if device.type != "cuda":
@@ -407,7 +427,10 @@ def run_variant(v, case, reference, eager_of_backend, args, device):
         if not row["ok"]:
             return row, got
         row["wall_ms"], row["host_ms"] = time_steps(run, device, args.steps)
-        row.update(breakdown(kernel_times(run, device, args.profile_steps)))
+        times = kernel_times(run, device, args.profile_steps)
+        row.update(breakdown(times))
+        if times:
+            row["kernels"] = sum(n for _, n in times.values())
         if row.get("kernel_ms"):
             row["busy"] = row["kernel_ms"] / row["wall_ms"]
         nbytes = routing_bytes(v, args.configs, args.tokens, case.dtype)  # amp-bf16: float32 activations
@@ -419,6 +442,9 @@ def run_variant(v, case, reference, eager_of_backend, args, device):
                 row["x_floor"] = row["wall_ms"] / row["floor_ms"]
         if v.mode == "eager":
             row["syncs"] = count_syncs(run, device)
+            row["launches"], lines = count_launches(run, device, args.launches_by_line)
+            if lines is not None:
+                row["launches_by_line"] = lines
     return row, got
 
 
@@ -430,6 +456,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--launches-by-line", action="store_true",
+                    help="keep each eager row's launches by source line in the JSON (slower count)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"),
                     help="directory of the JSON and log (default: $OUT if set, else benchmarks/results)")
     ap.add_argument("--name", default="bench_steps")
@@ -452,6 +480,7 @@ def main(argv=None):
     env = br.environment(device)
     env.update(tokens=tokens, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
                reference_backend=reference_backend, kernel_time="torch.profiler, CUDA kernels + memcpy/memset",
+               launches="tests/launch_counts.py LaunchCounter: aten ops that launch a kernel + Triton launches",
                wall_time="CUDA events at each step's start (median)")
     ceiling = br.copy_ceiling(device, quick=args.quick)
     args.ceiling_gbps = ceiling["GBps"]
@@ -535,7 +564,8 @@ def table(rows):
         return format(v, fmt).rjust(width) if v is not None else "-".rjust(width)
     head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} {'type':4s} "
             f"{'fill':5s} {'wall ms':>8s} {'host ms':>8s} {'kern ms':>8s} {'gemm ms':>8s} {'other ms':>8s} "
-            f"{'floor ms':>8s} {'x floor':>7s} {'busy':>5s} {'syncs':>5s} {'vs up':>6s} {'err':>8s} {'self':>8s}")
+            f"{'floor ms':>8s} {'x floor':>7s} {'busy':>5s} {'syncs':>5s} {'launch':>6s} {'kernels':>7s} {'vs up':>6s} "
+            f"{'err':>8s} {'self':>8s}")
     out = [head]
     for r in rows:
         if "error" in r:
@@ -545,6 +575,7 @@ def table(rows):
                    + f(r, "kernel_ms", ".3f", 8) + " " + f(r, "gemm_ms", ".3f", 8) + " " + f(r, "other_ms", ".3f", 8)
                    + " " + f(r, "floor_ms", ".3f", 8) + " " + f(r, "x_floor", ".2f", 6) + "x"
                    + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
+                   + " " + f(r, "launches", "d", 6) + " " + f(r, "kernels", ".0f", 7)
                    + " " + f(r, "vs_up", ".2f", 5) + "x " + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
                    + ("" if r.get("ok", True) else "  FAIL"))
     return "\n".join(out)

@@ -46,12 +46,35 @@ def test_bench_steps_quick_cpu(tmp_path):
         assert r["ok"] and r["wall_ms"] > 0 and r["vs_up"] > 0
         if r["backend"] == "ascend":
             assert 0 <= r["err"] <= 2e-2  # checked against the reference before it was timed
+    # launches per eager step (the CPU counter): ours well under the plain-PyTorch reference's
+    launches = {(r["layer"], r["backend"]): r["launches"] for r in eager}
+    for layer in ("dMoE", "MoE"):
+        assert 0 < launches[(layer, "ascend")] < launches[(layer, "torch")], launches
     graph = [r for r in rows if r["mode"] == "graph" and r["mlp_impl"] == "grouped"]
     assert graph and all("needs CUDA" in r["error"] for r in graph)
     sparse = [r for r in rows if r["layer"] == "dMoE" and r["mlp_impl"] == "sparse"]
     assert {r["backend"] for r in sparse if r["mode"] == "eager" and r.get("ok")} == {"ascend", "torch"}
     assert all("needs CUDA" in r["error"] for r in sparse if r["mode"] == "graph")
     assert not any(r["layer"] == "MoE" and r["mlp_impl"] == "sparse" for r in rows)  # no such variant
+
+
+def test_launches_per_step_quick_cpu(tmp_path):
+    """benchmarks/launches_per_step.py on the CPU, MoE only: ours and upstream's kernels (the
+    interpreter, upstream's patches lifted for the step) are counted with their source lines, and
+    our step launches no more than upstream's."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "launches_per_step.py"), "--layers", "MoE",
+                        "--backends", "ascend,upstream", "--out", str(tmp_path), "--name", "lps"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["backend"]: r for r in json.loads((tmp_path / "lps.json").read_text())["rows"]}
+    assert set(rows) == {"ascend", "upstream"} and not any("error" in r for r in rows.values()), rows
+    wheres = {b: {e["where"].split(":")[0] for e in r["launches"]} for b, r in rows.items()}
+    assert "megablocks_ascend/kernels/routing.py" in wheres["ascend"]
+    assert "megablocks/backend/kernels.py" in wheres["upstream"]  # upstream's own kernels ran
+    assert "megablocks/backend/kernels.py" not in wheres["ascend"]
+    assert rows["ascend"]["total"] <= rows["upstream"]["total"]
+    assert "| origin | line | op | ascend | upstream |" in (tmp_path / "lps.md").read_text()
 
 
 def test_check_grouped_mm_empty_quick_cpu(tmp_path):
