@@ -748,24 +748,35 @@ _installed = False
 
 
 def install() -> None:
-    """Apply every patch. Idempotent: a second call changes nothing."""
+    """Apply every patch. Idempotent: a second call changes nothing. Patches applied before
+    (:func:`install_before_import`) are kept; if one fails, half-way or not, every patch is taken back."""
     global _installed
     if _installed:
         return
-    done = []
+    _apply(PATCHES)
+    _installed = True
+
+
+def install_before_import() -> None:
+    """Apply only the patches that MegaBlocks and stk need while they import (stand-ins for their
+    native dependencies, Triton fixes: they need no MegaBlocks); :func:`install` applies the rest.
+    The autoload calls this when it finds MegaBlocks part-way through its import."""
+    _apply(tuple(p for p in PATCHES if p.name in _STANDINS))
+
+
+def _apply(patches) -> None:
     try:
-        for patch in PATCHES:
+        for patch in patches:
+            if patch.applied:
+                continue
             if patch.name not in _STANDINS and importlib.util.find_spec("megablocks") is None:
                 raise PatchError("MegaBlocks is not installed (pip install --no-deps megablocks==0.10.0; "
                                  "see the README)")
-            done.append(patch)  # before apply: a patch that fails half-way is rolled back too
             patch.apply(patch)
             patch.applied = True
     except BaseException:
-        for patch in reversed(done):
-            patch.revert()
+        uninstall()  # every patch, including one that failed half-way
         raise
-    _installed = True
 
 
 def uninstall() -> None:
