@@ -34,6 +34,8 @@ from megablocks.layers.dmoe import dMoE
 from megablocks.layers.moe import MoE, clear_load_balancing_loss
 from megablocks_ascend import autocast, backends, patching
 from megablocks_ascend.native import grouped_gemm as gg
+from megablocks_ascend.patching.autocast_device import AUTOCAST_FUNCTIONS
+from megablocks_ascend.patching.stk_autocast_device import STK_AUTOCAST_FUNCTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 AMP = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -217,7 +219,7 @@ def test_npu_device_type_logic_without_an_npu():
 
 def test_megablocks_and_stk_autograd_functions_carry_our_decorators():
     import importlib
-    for cls_target in patching.AUTOCAST_FUNCTIONS + patching.STK_AUTOCAST_FUNCTIONS:
+    for cls_target in AUTOCAST_FUNCTIONS + STK_AUTOCAST_FUNCTIONS:
         module, name = cls_target.split(":")
         cls = getattr(importlib.import_module(module), name)
         fwd, bwd = cls.__dict__["forward"].__func__, cls.__dict__["backward"].__func__
@@ -243,7 +245,7 @@ def test_autocast_patches_refuse_a_function_upstream_no_longer_decorates(monkeyp
         # nothing is left half-patched, including the functions the same patch had already redone
         upstream_code = {"autocast-device": torch.amp.custom_fwd(device_type="cuda"),
                          "stk-autocast-device": __import__("stk.backend.autocast").backend.autocast.custom_fwd}
-        for other in patching.AUTOCAST_FUNCTIONS + patching.STK_AUTOCAST_FUNCTIONS:
+        for other in AUTOCAST_FUNCTIONS + STK_AUTOCAST_FUNCTIONS:
             m, n = other.split(":")
             other_cls = getattr(importlib.import_module(m), n)
             if other_cls is not cls:

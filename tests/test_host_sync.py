@@ -19,6 +19,7 @@ from host_syncs import HostSyncs
 from megablocks_ascend import devices, patching
 from megablocks_ascend.kernels import routing
 from megablocks_ascend.native import grouped_gemm
+from megablocks_ascend.patching import grouped_mlp_device_sizes, registry
 
 H, FFN, E, TOP_K = 16, 32, 4, 2  # multiples of 16 bytes in bf16 and fp32: device sizes possible
 
@@ -111,7 +112,7 @@ def test_training_step_has_no_host_sync(name, backend, dtype, device):
 @pytest.fixture
 def upstream_grouped_forwards():
     """MegaBlocks' own GroupedMLP/GroupedGLU forwards for the duration of a test."""
-    patch = next(p for p in patching.PATCHES if p.name == "grouped-mlp-device-sizes")
+    patch = grouped_mlp_device_sizes.PATCH
     patch.revert()
     try:
         yield
@@ -124,7 +125,7 @@ def upstream_grouped_forwards():
 def test_the_same_check_catches_upstreams_host_copy(name, device, upstream_grouped_forwards):
     """With upstream's forward the check finds ``tokens_per_expert.cpu()`` in GroupedMLP/GLU."""
     from megablocks.layers import glu, mlp
-    assert mlp.GroupedMLP.forward is patching.GROUPED_FORWARDS[
+    assert mlp.GroupedMLP.forward is grouped_mlp_device_sizes.GROUPED_FORWARDS[
         "megablocks.layers.mlp:GroupedMLP.forward"][0].__wrapped__
     assert glu.GroupedGLU.forward.__module__ == "megablocks.layers.glu"
     layer, args = _layer(name, torch.bfloat16, device)
@@ -194,16 +195,16 @@ def test_device_sizes_decision_follows_the_grouped_gemm(device):
     tokens = torch.tensor([3, 5, 0, 8], dtype=torch.int32, device=device)
     x = torch.randn(16, H, device=device)
     expected = grouped_gemm.takes_device_sizes(x.device, x.dtype, (H, FFN), mpu.experts_per_rank(args))
-    got = patching.expert_batch_sizes(mlp, x, tokens)
+    got = grouped_mlp_device_sizes.expert_batch_sizes(mlp, x, tokens)
     if expected:
         assert got is tokens
     else:
         assert got.device.type == "cpu" and got.dtype == torch.int64 and got.tolist() == [3, 5, 0, 8]
     # fp64 runs the loop, which needs host sizes: upstream's copy
-    got = patching.expert_batch_sizes(mlp, x.double(), tokens)
+    got = grouped_mlp_device_sizes.expert_batch_sizes(mlp, x.double(), tokens)
     assert got.device.type == "cpu" and got.dtype == torch.int64
     # counts that are already on the host (the expert-parallel path) stay there, as upstream's
-    got = patching.expert_batch_sizes(mlp, x.to("meta"), tokens)
+    got = grouped_mlp_device_sizes.expert_batch_sizes(mlp, x.to("meta"), tokens)
     assert got.device.type == "cpu"
 
 
@@ -211,17 +212,17 @@ def test_fingerprint_ignores_comments_and_layout_only():
     a = "def f(x, y):\n    return x + y  # a comment\n"
     b = "    def f(x,   y):\n        # another comment\n\n        return x + \\\n            y\n"
     c = "def f(x, y):\n    return x - y\n"
-    assert patching._fingerprint(a) == patching._fingerprint(b) != patching._fingerprint(c)
+    assert registry._fingerprint(a) == registry._fingerprint(b) != registry._fingerprint(c)
     from megablocks.layers import mlp
-    original = patching.GROUPED_FORWARDS["megablocks.layers.mlp:GroupedMLP.forward"][0].__wrapped__
-    assert patching.source_fingerprint(original) == patching.GROUPED_FORWARDS[
+    original = grouped_mlp_device_sizes.GROUPED_FORWARDS["megablocks.layers.mlp:GroupedMLP.forward"][0].__wrapped__
+    assert registry.source_fingerprint(original) == grouped_mlp_device_sizes.GROUPED_FORWARDS[
         "megablocks.layers.mlp:GroupedMLP.forward"][1]
     assert mlp.GroupedMLP.forward is not original  # the patch is in place
 
 
 def test_patch_refuses_a_changed_upstream_forward(upstream_grouped_forwards, monkeypatch):
     from megablocks.layers import mlp
-    patch = next(p for p in patching.PATCHES if p.name == "grouped-mlp-device-sizes")
+    patch = grouped_mlp_device_sizes.PATCH
 
     def forward(self, x, tokens_per_expert):
         return x  # not MegaBlocks 0.10.0's body
@@ -239,7 +240,7 @@ def test_patch_leaves_an_installed_grouped_gemm_alone(upstream_grouped_forwards,
 
     import megablocks.grouped_gemm_util as gg
     from megablocks.layers import glu, mlp
-    patch = next(p for p in patching.PATCHES if p.name == "grouped-mlp-device-sizes")
+    patch = grouped_mlp_device_sizes.PATCH
     originals = (mlp.GroupedMLP.forward, glu.GroupedGLU.forward)
     monkeypatch.setattr(gg, "backend", types.SimpleNamespace(gmm=lambda *a, **k: None))
     patch.apply(patch)

@@ -17,6 +17,7 @@ import megablocks.ops as upstream_ops
 import megablocks_ascend
 from megablocks.layers.arguments import Arguments
 from megablocks_ascend import backends, ops, patching
+from megablocks_ascend.patching import registry, triton_driverless
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -132,7 +133,7 @@ def test_fresh_process_cpu_machine_runs_ascend_without_any_setting():
 def test_megablocks_imported_first_fails_then_plugin_repairs_it():
     # Where Triton has no driver and asks for one when stk decorates its kernels (Triton 3.3.1),
     # stk fails first; elsewhere MegaBlocks' missing CUDA extension does.
-    driverless = bool([p for p in patching.PATCHES if p.name == "triton-driverless"][0].originals)
+    driverless = bool(triton_driverless.PATCH.originals)
     first_error = ("RuntimeError: 0 active drivers" if driverless
                    else "ModuleNotFoundError: No module named 'megablocks_ops'")
     r = _run_python("""
@@ -190,7 +191,7 @@ def test_uninstall_restores_every_original_exactly_and_install_comes_back():
             for target, original in originals[patch.name].items():
                 if target.startswith("sys.modules"):
                     continue
-                owner, attr = patching._owner(target)
+                owner, attr = registry.owner(target)
                 now = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
                 assert now is original, target
     finally:
@@ -219,6 +220,59 @@ def test_patch_refuses_an_upstream_function_whose_signature_changed(monkeypatch)
     assert getattr(upstream_kernels.binned_gather, "__megablocks_ascend__", False)
 
 
+def test_registry_applies_in_order_rolls_back_a_half_applied_patch_and_restores_exactly(monkeypatch):
+    """The registry on its own, over a throwaway module: what install/uninstall promise for the
+    real patches (order, idempotence, rollback of a patch that fails half-way and of every patch
+    before it, ``is``-identical originals, registered modules removed)."""
+    target = types.ModuleType("_registry_target")
+    a, b, c = object(), object(), object()
+    target.a, target.b = a, b  # no attribute c: a patch that adds one must delete it again
+    monkeypatch.setitem(sys.modules, "_registry_target", target)
+    calls, fail = [], [True]
+
+    def first(p):
+        calls.append(p.name)
+        p.replace("_registry_target.a", "new a")
+        p.set_module("_registry_standin", types.ModuleType("_registry_standin"))
+
+    def second(p):
+        calls.append(p.name)
+        p.replace("_registry_target.b", "new b")
+        p.replace("_registry_target.c", "new c")
+        if fail[0]:
+            raise registry.PatchError("upstream changed")  # after two of its replacements
+
+    def patch(name, apply, needs_megablocks=False):
+        return registry.Patch(name=name, targets=(), why="", how="", upstream_fix="", apply=apply,
+                              needs_megablocks=needs_megablocks)
+
+    reg = registry.Registry([patch("first", first), patch("second", second)])
+    with pytest.raises(registry.PatchError, match="upstream changed"):
+        reg.install()
+    assert calls == ["first", "second"] and not reg.installed()
+    assert target.a is a and target.b is b and not hasattr(target, "c")
+    assert "_registry_standin" not in sys.modules
+    assert not any(p.applied or p.originals for p in reg.patches)
+
+    fail[0] = False
+    reg.install()
+    reg.install()  # a no-op
+    assert calls == ["first", "second"] * 2 and reg.installed()
+    assert (target.a, target.b, target.c) == ("new a", "new b", "new c") and "_registry_standin" in sys.modules
+    reg.uninstall()
+    assert target.a is a and target.b is b and not hasattr(target, "c")
+    assert "_registry_standin" not in sys.modules and not reg.installed()
+
+    with pytest.raises(ValueError, match="unique"):
+        registry.Registry([patch("first", first), patch("first", second)])
+    # A patch that needs MegaBlocks refuses to run without it, and what ran before is rolled back.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "megablocks" else 1)
+    reg = registry.Registry([patch("first", first), patch("second", second, needs_megablocks=True)])
+    with pytest.raises(registry.PatchError, match="MegaBlocks is not installed"):
+        reg.install()
+    assert target.a is a and "_registry_standin" not in sys.modules and calls[-1] == "first"
+
+
 def test_arguments_default_device_is_cpu_here_and_explicit_device_wins():
     assert Arguments(mlp_impl="grouped").device == torch.device("cpu")
     assert Arguments(mlp_impl="grouped", device=torch.device("meta")).device == torch.device("meta")
@@ -232,9 +286,27 @@ def test_cast_if_autocast_enabled_follows_the_tensor_device():
     assert common.cast_if_autocast_enabled(x).dtype == torch.float32
 
 
+def test_every_patch_module_is_registered_once_under_its_own_name():
+    """One module per patch: every module in megablocks_ascend/patching/ but the registry is in
+    ORDER, each module's PATCH is named after it and is the registry's, in ORDER's order."""
+    folder = ROOT / "megablocks_ascend" / "patching"
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "registry"}
+    assert sorted(patching.ORDER) == sorted(modules)  # each listed once, none forgotten
+    assert len(set(patching.ORDER)) == len(patching.ORDER)
+    assert patching.ORDER[0] == "triton_driverless"  # every later patch imports stk
+    assert [m.__name__ for m in patching.MODULES] == [f"megablocks_ascend.patching.{n}" for n in patching.ORDER]
+    for name, module, patch in zip(patching.ORDER, patching.MODULES, patching.PATCHES, strict=True):
+        assert module.PATCH is patch and isinstance(patch, patching.Patch)
+        assert patch.name == name.replace("_", "-"), (name, patch.name)
+        assert patch.apply is module.apply, name
+        assert f"patches/{patch.name}.md" in module.__doc__, name
+    assert patching.REGISTRY.patches == patching.PATCHES
+
+
 def test_every_patch_is_documented_in_patches_folder():
     documented = {p.stem for p in (ROOT / "patches").glob("*.md") if p.name != "README.md"}
     assert documented == {p.name for p in patching.PATCHES}
+    assert documented == {m.replace("_", "-") for m in patching.ORDER}
     index = (ROOT / "patches" / "README.md").read_text()
     for patch in patching.PATCHES:
         text = (ROOT / "patches" / f"{patch.name}.md").read_text()

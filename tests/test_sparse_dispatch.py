@@ -18,6 +18,7 @@ import megablocks_ascend
 from megablocks.layers import mlp as mb_mlp
 from megablocks.layers.arguments import Arguments
 from megablocks_ascend import BackendUnavailable, BlockSparseArgumentError, backends, library, patching
+from megablocks_ascend.patching import sparse_mlp_refusal
 
 NAMES = ("sdd", "dsd", "dds", "row_indices")
 
@@ -425,7 +426,7 @@ def test_sparse_refusal_stays_for_stks_own_kernels_and_says_what_to_set(monkeypa
 
 def test_sparse_refusal_patch_checks_what_it_wraps(monkeypatch):
     from megablocks.layers.arguments import Arguments as A
-    patch = next(p for p in patching.PATCHES if p.name == "sparse-mlp-refusal")
+    patch = sparse_mlp_refusal.PATCH
     original = patch.originals["megablocks.layers.arguments:Arguments.__post_init__"]
     assert A.__dict__["__post_init__"].__wrapped__ is original
     probe = types.SimpleNamespace(originals={}, replace=lambda target, new: probe.originals.setdefault(target, new))
@@ -436,13 +437,13 @@ def test_sparse_refusal_patch_checks_what_it_wraps(monkeypatch):
 
     monkeypatch.setattr(A, "__post_init__", other_error)
     with pytest.raises(patching.PatchError, match="not the refusal this patch lifts"):
-        patching._apply_sparse_mlp_refusal(probe)
+        sparse_mlp_refusal.apply(probe)
 
     def no_refusal(self):
         self.shared_expert_hidden_size = self.ffn_hidden_size
 
     monkeypatch.setattr(A, "__post_init__", no_refusal)
-    patching._apply_sparse_mlp_refusal(probe)
+    sparse_mlp_refusal.apply(probe)
     assert probe.originals == {}  # nothing to lift, nothing replaced
 
     def strict(self):
@@ -453,7 +454,7 @@ def test_sparse_refusal_patch_checks_what_it_wraps(monkeypatch):
 
     monkeypatch.setattr(A, "__post_init__", strict)
     with pytest.raises(patching.PatchError, match="no longer accepts"):
-        patching._apply_sparse_mlp_refusal(probe)
+        sparse_mlp_refusal.apply(probe)
 
 
 def test_mlp_impl_is_restored_when_the_original_raises():
@@ -466,8 +467,8 @@ def test_mlp_impl_is_restored_when_the_original_raises():
 
     args = Arguments(fp16=False)
     with megablocks_ascend.use_backend("torch"), pytest.raises(RuntimeError, match="boom"):
-        patching.lift_sparse_refusal(failing)(args)
-    assert seen == [patching._SPARSE_LIFTED] and args.mlp_impl == "sparse"
+        sparse_mlp_refusal.lift_sparse_refusal(failing)(args)
+    assert seen == [sparse_mlp_refusal._SPARSE_LIFTED] and args.mlp_impl == "sparse"
 
 
 _IR_SCRIPT = r"""

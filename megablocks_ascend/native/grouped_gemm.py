@@ -58,8 +58,9 @@ device ("device sizes"):
 
 :func:`takes_device_sizes` says, for a device, dtype and the operands'
 dimensions, whether every GEMM of an expert MLP would run without a host
-read; the ``grouped-mlp-device-sizes`` patch (``megablocks_ascend.patching``)
-asks it before it keeps MegaBlocks' token counts on the device.
+read; the ``grouped-mlp-device-sizes`` patch
+(``megablocks_ascend.patching.grouped_mlp_device_sizes``) asks it before it keeps MegaBlocks'
+token counts on the device.
 
 Under ``torch.autocast`` (for the device type of ``a``) both entry points behave like
 ``torch.matmul`` does: floating-point ``a`` and ``b`` (float64 excepted) are cast to the autocast

@@ -1,0 +1,38 @@
+"""The ``routing-ops`` patch (page: ``patches/routing-ops.md``): MegaBlocks' six routing autograd
+ops (``megablocks.ops``) are replaced by ours (:mod:`megablocks_ascend.ops`): upstream's forward and
+backward over the dispatched kernels, with autocast for the tensors' own device.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from megablocks_ascend.patching.registry import Patch, PatchError, expect_params
+
+
+def apply(p: Patch) -> None:
+    from megablocks_ascend import ops  # noqa: PLC0415
+    import megablocks.ops as upstream  # noqa: PLC0415
+    for name, fn in ops.OPS.items():
+        target = f"megablocks.ops.{name}"
+        current = getattr(upstream, name, None)
+        if current is None:
+            raise PatchError(f"{target} is missing")
+        expected = tuple(inspect.signature(fn).parameters)
+        if hasattr(current, "__self__") and isinstance(current.__self__, type):  # Function.apply
+            expect_params(target, current.__self__.forward, ("ctx",) + expected)
+        else:
+            expect_params(target, current, expected)
+        p.replace(target, fn)
+
+
+PATCH = Patch(
+    name="routing-ops",
+    targets=tuple(f"megablocks.ops.{n}" for n in (
+        "binned_gather", "binned_scatter", "gather", "scatter", "padded_gather", "padded_scatter")),
+    why="Upstream's autograd wrappers use stk's autocast decorators, which assume CUDA.",
+    how="Each op is replaced by an autograd Function with upstream's forward and backward that "
+        "calls the dispatched kernels and handles autocast for the tensors' own device.",
+    upstream_fix="Device-aware autocast decorators in megablocks.ops.",
+    apply=apply,
+)
