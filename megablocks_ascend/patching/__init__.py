@@ -48,6 +48,8 @@ ORDER = (
     "triton_interpreter_index",
     "resolve_dtensor",
     "grouped_mlp_device_sizes",
+    "shared_expert_bias",
+    "llmfoundry_device_mesh",
 )
 
 MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ORDER)

@@ -44,16 +44,21 @@ OPTIONS = {
     "moe_zloss_in_fp32": [True],
     "uniform_expert_assignment": [True],
     "memory_optimized_mlp": [True],
+    "memory_optimized_mlp+activation_fn": [F.relu],
+    "memory_optimized_mlp+bf16": [True],
     "fp16": [True],
     "bf16": [True],
     "init_method": [functools.partial(torch.nn.init.uniform_, a=-0.05, b=0.05)],
     "output_layer_init_method": [functools.partial(torch.nn.init.zeros_)],
     "num_layers": [2],
+    "pipeline_model_parallel_size+num_layers": [2],  # 2 stages of 1 layer each
+    "num_layers_per_virtual_pipeline_stage": [1],
     "shared_expert": [True],
     "shared_expert+weighted_sum": [True],
     "shared_expert+hidden_size": [8],
     "shared_expert+remat_act_fn": [False],
     "shared_expert+return_bias": [False],
+    "shared_expert+bias": [False],
     "device": [torch.device("cpu")],
 }
 
@@ -66,9 +71,17 @@ def arguments_for(option, value, mlp_type, impl):
         kwargs["shared_expert"] = True
         extra = option.split("+")[1]
         kwargs[{"weighted_sum": "shared_expert_weighted_sum", "hidden_size": "shared_expert_hidden_size",
-                "remat_act_fn": "remat_act_fn", "return_bias": "return_bias"}[extra]] = value
+                "remat_act_fn": "remat_act_fn", "return_bias": "return_bias", "bias": "bias"}[extra]] = value
     elif option == "moe_num_experts+top_k":
         kwargs["moe_num_experts"] = kwargs["moe_top_k"] = value
+    elif option.startswith("memory_optimized_mlp+"):
+        kwargs["memory_optimized_mlp"] = True
+        extra = option.split("+")[1]
+        kwargs[extra] = value
+        if extra == "bf16":
+            kwargs["fp16"] = False
+    elif option == "pipeline_model_parallel_size+num_layers":
+        kwargs["pipeline_model_parallel_size"] = kwargs["num_layers"] = value
     else:
         kwargs[option] = value
     if option == "fp16":
