@@ -56,10 +56,10 @@ def prepare() -> None:
     if has_npu:
         import torch_npu  # noqa: F401,PLC0415  (registers torch.npu and the "npu" device)
         record("torch_npu imported (the npu device is registered)")
-    if "triton" in sys.modules:
-        record("Triton interpreter left as found: triton was imported before megablocks-ascend")
-    elif "TRITON_INTERPRET" in os.environ:
+    if "TRITON_INTERPRET" in os.environ:
         record(f"Triton interpreter left as found: TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} was set")
+    elif "triton" in sys.modules:
+        record("Triton interpreter left as found: triton was imported before megablocks-ascend")
     elif has_npu or _cuda_available():
         record("Triton compiles (a CUDA device or torch_npu is present)")
     else:
