@@ -329,3 +329,52 @@ def test_watch_refuses_a_spec_of_another_class():
         pass
 
     assert not hook.watch(OtherSpec("x", None), on_start=print)
+
+
+def test_when_imported_calls_back_now_or_once_the_module_has_been_imported(toy_package):
+    import builtins
+    builtins.LOG, builtins.FAIL = [], False
+    try:
+        seen = []
+        hook.when_imported(toy_package, lambda m: seen.append(m.__name__))  # not imported yet: waits
+        assert seen == [] and hook.FINDER in sys.meta_path
+        importlib.import_module(toy_package)
+        assert seen == [toy_package]
+        assert toy_package not in hook.FINDER.waiting
+        hook.when_imported(toy_package, lambda m: seen.append("again"))  # imported: at once
+        assert seen == [toy_package, "again"]
+    finally:
+        del builtins.LOG, builtins.FAIL
+        hook.FINDER.retire_if_idle()
+    assert hook.FINDER not in sys.meta_path
+
+
+def test_install_before_import_applies_only_the_patches_that_need_no_megablocks():
+    early = {p.name for p in patching.PATCHES if not p.needs_megablocks}
+    assert early == {"triton-driverless", "megablocks-ops-extension", "grouped-gemm", "triton-interpreter-index"}
+    patching.uninstall()
+    try:
+        patching.install_before_import()
+        assert {p.name for p in patching.PATCHES if p.applied} == early and not patching.installed()
+        patching.install()
+        assert all(p.applied for p in patching.PATCHES) and patching.installed()
+    finally:
+        patching.install()
+
+
+def test_a_failing_patch_after_install_before_import_takes_every_patch_back(monkeypatch):
+    patching.uninstall()
+    broken = next(p for p in patching.PATCHES if p.name == "routing-ops")
+    try:
+        patching.install_before_import()
+
+        def fail(patch):
+            raise patching.PatchError("simulated")
+        monkeypatch.setattr(broken, "apply", fail)
+        with pytest.raises(patching.PatchError, match="simulated"):
+            patching.install()
+        assert not any(p.applied or p.originals for p in patching.PATCHES) and not patching.installed()
+    finally:
+        monkeypatch.undo()
+        patching.install()
+    assert patching.installed()
