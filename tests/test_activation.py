@@ -346,7 +346,9 @@ def test_when_imported_calls_back_now_or_once_the_module_has_been_imported(toy_p
     finally:
         del builtins.LOG, builtins.FAIL
         hook.FINDER.retire_if_idle()
-    assert hook.FINDER not in sys.meta_path
+    # off sys.meta_path unless it still waits for something else (where LLM Foundry is installed,
+    # the llmfoundry-device-mesh patch waits for LLM Foundry's module)
+    assert (hook.FINDER in sys.meta_path) == bool(hook.FINDER.waiting)
 
 
 def test_install_before_import_applies_only_the_patches_that_need_no_megablocks():
