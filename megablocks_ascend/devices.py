@@ -241,6 +241,43 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
 
 
 # --------------------------------------------------------------------------------------------
+# The zero fill of empty groups (kernels/grouped.py): one zero tile of BLOCK elements is the only
+# live buffer, stored, never loaded. On an NPU 2 * BLOCK * bytes (double buffering) of UB: 64 KiB
+# at float32, well inside the budget; on CUDA one 16-byte vector per thread of 4 warps, 8 times.
+
+FILL_BLOCKS = {"npu": 8192, "cuda": 4096, "interpreter": 4096}  # elements per zero tile
+FILL_CHUNK_BLOCKS = 16  # tiles per work item: an empty group's zeros are spread over many programs
+
+
+def fill_block(dtype: torch.dtype, device_target: str) -> int:
+    """Elements per zero tile of the empty-group fill on ``device_target``."""
+    if device_target not in FILL_BLOCKS:
+        raise ValueError(f"unknown target {device_target!r}")
+    return FILL_BLOCKS[device_target]
+
+
+def fill_ub_bytes(block: int, element_size: int) -> int:
+    """UB bytes one program of the empty-group fill keeps live (the zero tile, double-buffered)."""
+    return UB_BUFFERS * block * element_size
+
+
+@functools.lru_cache(maxsize=None)
+def npu_product(index: int) -> str:
+    """The NPU's product name as torch_npu reports it (e.g. ``Ascend910B4`` for an Atlas A2
+    training card, ``Ascend910_9391`` for A3, ``Ascend310P3`` for an Atlas inference card)."""
+    return str(torch.npu.get_device_name(index))
+
+
+def is_atlas_a2(device: torch.device) -> bool:
+    """Whether ``device`` is an Atlas A2 training-series NPU (Ascend 910B): the product line that
+    torch_npu's ``npu_grouped_matmul`` documentation lists float32 operands for."""
+    if device.type != "npu":
+        return False
+    index = device.index if device.index is not None else torch.npu.current_device()
+    return npu_product(index).startswith("Ascend910B")
+
+
+# --------------------------------------------------------------------------------------------
 # Cube kernels: the block-sparse matmuls (kernels/blocksparse.py). Budget: see the module docstring.
 
 CUBE_L1_BYTES = 512 * 1024  # A2 (910B) AI core L1 buffer

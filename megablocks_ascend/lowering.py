@@ -2,8 +2,8 @@
 
 ``python -m megablocks_ascend lower`` (in the lowering venv made by ``tools/ascend_lowering_env.sh``)
 runs triton-ascend's ``ttir`` and ``ttadapter`` stages for every kernel of
-:mod:`megablocks_ascend.kernels.routing` (vector kernels) and
-:mod:`megablocks_ascend.kernels.blocksparse` (cube kernels: ``tl.dot``) over a generated list of
+:mod:`megablocks_ascend.kernels.routing` and :mod:`megablocks_ascend.kernels.grouped` (vector
+kernels) and :mod:`megablocks_ascend.kernels.blocksparse` (cube kernels: ``tl.dot``) over a generated list of
 configurations, and reads the resulting Ascend linalg/HIVM IR for the kernel's memory pattern. It stops before ``npubin``
 (``bishengir-compile`` from CANN): see ``docs/notes/ascend-lowering.md`` for what that leaves
 to a real NPU.
@@ -160,7 +160,16 @@ CUBE_KERNELS = (
     KernelSpec("_row_indices", None, dict(index=INDEX_TYPES), ("BLOCK",), ("out",), False, module="blocksparse",
                hot_step="BLOCK", no_scalar_hot=True),
 )
-KERNELS = ROUTING_KERNELS + CUBE_KERNELS
+# The zero fill of the empty groups of a weight gradient (kernels/grouped.py): "hidden" is the
+# gradient's last dimension N, with M = FILL_ROWS rows per group (768 x 1024 is a whole number of
+# fill tiles, 768 x 1000 is not); ends int64, as the grouped GEMM stand-in passes them.
+FILL_ROWS = 768
+GROUPED_KERNELS = (
+    KernelSpec("_zero_empty_groups", None, dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, INT64=BOOLS),
+               ("BLOCK", "EVEN"), ("out",), False, module="grouped", ptr_types=(("ends", "*i64"),),
+               hot_step="BLOCK", no_scalar_hot=True),
+)
+KERNELS = ROUTING_KERNELS + CUBE_KERNELS + GROUPED_KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +222,22 @@ def _scalars(spec: KernelSpec, axes: dict) -> dict:
         return dict(num_positions=n1, num_experts=EXPERTS, num_rows=rows1, hidden=hidden, capacity=capacity1)
     if spec.name == "_wgrad":
         return dict(num_slots=n, num_rows=n, hidden=hidden)
+    if spec.name == "_zero_empty_groups":
+        numel, chunk = FILL_ROWS * hidden, _fill_block(axes) * _fill_chunk_blocks()
+        return dict(group_numel=numel, group_stride=numel, chunk=chunk, num_items=EXPERTS * -(-numel // chunk))
     raise KeyError(spec.name)
+
+
+def _fill_block(axes: dict) -> int:
+    import torch  # noqa: PLC0415
+
+    from megablocks_ascend import devices  # noqa: PLC0415
+    return devices.fill_block(getattr(torch, DTYPES[axes["dtype"]][1]), "npu")
+
+
+def _fill_chunk_blocks() -> int:
+    from megablocks_ascend import devices  # noqa: PLC0415
+    return devices.FILL_CHUNK_BLOCKS
 
 
 # The representative block-sparse problem: a MegaBlocks topology of 64 block rows (8192 padded
@@ -287,7 +311,11 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS) -> list[Config]:
                 continue
             constexprs = {k: v for k, v in axes.items() if k not in SIZE_AXES}
             ub = None
-            if spec.kind is not None:
+            if spec.module == "grouped":
+                block = _fill_block(axes)
+                constexprs.update(BLOCK=block, EVEN=FILL_ROWS * axes["hidden"] % block == 0)
+                ub = devices.fill_ub_bytes(block, DTYPES[axes["dtype"]][2])
+            elif spec.kind is not None:
                 _, torch_name, es = DTYPES[axes["dtype"]]
                 t = devices.tile(spec.kind, getattr(torch, torch_name), axes["hidden"], "npu")
                 constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=axes["hidden"] % t.block_x == 0)
@@ -700,7 +728,7 @@ def run(kernels: Iterable[KernelSpec] = KERNELS, *, dump: str | None = None,
                 problems.append(f"{counts['scalar_hot']} scalar accesses in the feature-tile loop")
             if spec.row_copy and counts["row_dma"] == 0:
                 problems.append("no per-row DMA: the row tiles did not lower to row copies")
-            if spec.kind is not None and cfg.ub_bytes is not None:
+            if (spec.kind is not None or spec.module == "grouped") and cfg.ub_bytes is not None:
                 from megablocks_ascend import devices  # noqa: PLC0415
                 if cfg.ub_bytes > devices.UB_BYTES - devices.UB_RESERVE:
                     problems.append(f"UB estimate {cfg.ub_bytes} over budget")

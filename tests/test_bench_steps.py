@@ -25,11 +25,21 @@ def test_bench_steps_quick_cpu(tmp_path):
     reference backend and timed, the sparse dMoE included; variants that cannot run here (graph
     capture without CUDA) are error rows, and the run goes on."""
     out = _run("bench_steps.py", "--only", "config=tiny", "--only", "mode=eager,graph",
-               "--only", "mlp_impl=grouped,sparse", tmp_path=tmp_path)
+               "--only", "mlp_impl=grouped,sparse", "--only", "wgrad_fill=empty,full", tmp_path=tmp_path)
     report = json.loads((tmp_path / "bench_steps.json").read_text())
     rows = report["rows"]
-    assert "config   layer backend mode" in out
-    eager = [r for r in rows if r["mode"] == "eager" and r["mlp_impl"] == "grouped"]
+    assert "config   layer backend mode" in out and "floor ms" in out
+    # The before/after rows: the earlier full masked fill of weight gradients, grouped dMoE only.
+    full = [r for r in rows if r["wgrad_fill"] == "full"]
+    assert full and all((r["layer"], r["mlp_impl"]) == ("dMoE", "grouped") for r in full)
+    assert all(r["ok"] for r in full if r["mode"] == "eager")
+    # The routing-bytes floor: dMoE rows only (T=32, k=2, H=64, bf16: 2 gathers, 2 scatters, 1 wgrad).
+    n, t, h, meta = 64, 32, 64, 64 * 4 + 4 * 4
+    want = 2 * (t * h * 2 + meta + n * h * 2) + 2 * (n * h * 2 + meta + t * h * 2) + n * 2 \
+        + (n * h * 2 + t * h * 2 + meta + n * 2)
+    assert {r["routing_bytes"] for r in rows if r["layer"] == "dMoE" and r.get("ok")} == {want}
+    assert not any("routing_bytes" in r for r in rows if r["layer"] == "MoE")
+    eager = [r for r in rows if r["mode"] == "eager" and r["mlp_impl"] == "grouped" and r["wgrad_fill"] == "empty"]
     assert {(r["layer"], r["backend"]) for r in eager} == {(l, b) for l in ("dMoE", "MoE") for b in ("ascend", "torch")}
     for r in eager:
         assert "error" not in r, r
@@ -42,6 +52,21 @@ def test_bench_steps_quick_cpu(tmp_path):
     assert {r["backend"] for r in sparse if r["mode"] == "eager" and r.get("ok")} == {"ascend", "torch"}
     assert all("needs CUDA" in r["error"] for r in sparse if r["mode"] == "graph")
     assert not any(r["layer"] == "MoE" and r["mlp_impl"] == "sparse" for r in rows)  # no such variant
+
+
+def test_check_grouped_mm_empty_quick_cpu(tmp_path):
+    """benchmarks/check_grouped_mm_empty.py --quick: every pattern runs through torch._grouped_mm's
+    CPU kernel and the stand-in, and the summary says what it found."""
+    import torch
+    if not hasattr(torch, "_grouped_mm"):
+        import pytest
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    _run("check_grouped_mm_empty.py", "--no-time", tmp_path=tmp_path)
+    report = json.loads((tmp_path / "check_grouped_mm_empty.json").read_text())
+    modes = {(r["shape"], r["pattern"], r["mode"]) for r in report["checks"]}
+    assert ("quick", "several", "eager") in modes and ("quick", "several", "stand-in") in modes
+    assert report["summary"]["errors"] == 0 and report["summary"]["standin_always_zero"]
+    assert report["summary"]["torch_grouped_mm_empty_groups_always_zero"]  # the CPU kernel writes them
 
 
 def test_bench_steps_rejects_unknown_fields(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megablocks_ascend import compat, devices, lowering
-from megablocks_ascend.kernels import blocksparse, routing
+from megablocks_ascend.kernels import blocksparse, grouped, routing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def _constexpr_names(spec):
     return {k for k in spec.axes if k not in lowering.SIZE_AXES} | set(spec.derived)
 
 
-@pytest.mark.parametrize("module", [routing, blocksparse], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("module", [routing, blocksparse, grouped], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_every_kernel_has_a_table(module):
     kernels = {name for name, obj in vars(module).items() if isinstance(obj, type(routing._gather))}
     short = module.__name__.rsplit(".", 1)[-1]
@@ -63,7 +63,8 @@ def _index_ptrs(name):
             "_scatter": {"slot_to_row"},
             "_scatter_one": {"indices", "bins", "padded_bins"},
             "_wgrad": {"slot_to_row"},
-            "_wgrad_one": {"indices", "bins", "padded_bins"}}[name]
+            "_wgrad_one": {"indices", "bins", "padded_bins"},
+            "_zero_empty_groups": {"ends"}}[name]
 
 
 def test_table_axes_cover_every_value():
@@ -178,6 +179,27 @@ def test_table_covers_every_launch(monkeypatch, int64):
             assert launched in table[key], f"{kernel} {dname} H={hidden}: {launched} not in the table"
             seen += 1
     assert seen > 0
+
+
+@pytest.mark.parametrize("int64", [False, True])
+def test_fill_table_covers_every_launch(monkeypatch, int64):
+    """The zero fill of empty groups: every constexpr combination its launcher passes with an NPU's
+    tile, at the table's group sizes, is in the table."""
+    table = {(c.axes["dtype"], c.axes["hidden"]): c.constexprs for c in lowering.configs(lowering.GROUPED_KERNELS)
+             if c.axes["INT64"] is int64}
+    calls = []
+    monkeypatch.setattr(grouped, "_zero_empty_groups", _Recorder("_zero_empty_groups", calls))
+    if int64:
+        monkeypatch.setattr(grouped, "_INT32_LIMIT", 1)
+    for dname, (_, tname, _) in lowering.DTYPES.items():
+        dtype = getattr(torch, tname)
+        for hidden in lowering.HIDDEN_SIZES:
+            out = torch.empty(2, lowering.FILL_ROWS, hidden, dtype=dtype)
+            grouped.zero_empty_groups(out, torch.tensor([0, 5]), block=devices.fill_block(dtype, "npu"),
+                                      num_programs=1)
+            (_, kwargs), = calls
+            calls.clear()
+            assert kwargs == table[(dname, hidden)], (dname, hidden)
 
 
 def _blocksparse_launches(monkeypatch, int64):
