@@ -7,8 +7,8 @@ Results: docs/notes/arguments-survey.md.
 
     python docs/notes/repro/arguments_survey.py [--only SUBSTRING] [--uninstalled-fixes]
 
-``--uninstalled-fixes`` takes back the patches that fix MegaBlocks' crashes (``shared-expert-bias``...)
-before it runs, to show what upstream does without them.
+``--uninstalled-fixes`` takes back the patches that fix MegaBlocks' crashes (``FIXES``) before it
+runs, to show what upstream does without them.
 """
 
 from __future__ import annotations
@@ -141,7 +141,9 @@ def main() -> int:
     return 0
 
 
-FIXES = ("shared-expert-bias",)
+# The patches that fix a crash seen here: shared-expert-bias; grouped-mlp-device-sizes replaces the
+# grouped dMoE's memory-optimized MLP by one that does not reuse the activation's buffer.
+FIXES = ("shared-expert-bias", "grouped-mlp-device-sizes")
 
 if __name__ == "__main__":
     raise SystemExit(main())
