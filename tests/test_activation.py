@@ -60,7 +60,8 @@ TRAIN = textwrap.dedent("""
     from megablocks.layers.dmoe import dMoE
     from megablocks.layers.moe import MoE, clear_load_balancing_loss
     import megablocks_ascend, _megablocks_ascend_autoload as hook
-    for layer_cls, impl in ((dMoE, "grouped"), (MoE, "sparse")):
+    for name, impl in LAYERS:
+        layer_cls = {"dMoE": dMoE, "MoE": MoE}[name]
         torch.manual_seed(0)
         args = Arguments(hidden_size=16, ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2,
                          mlp_impl=impl, fp16=False, bf16=False)
@@ -85,6 +86,12 @@ TRAIN = textwrap.dedent("""
     print("hook idle on sys.meta_path", hook.FINDER in sys.meta_path and not hook.FINDER.waiting)
     print("EVENTS", hook.events())
 """)
+
+
+def train(layers="dMoE"):
+    """TRAIN for the dMoE (grouped), or with ``layers="dMoE, MoE"`` for the MoE (binned routing) too."""
+    impls = {"dMoE": "grouped", "MoE": "sparse"}
+    return f"LAYERS = {[(n.strip(), impls[n.strip()]) for n in layers.split(',')]!r}\n" + TRAIN
 
 
 def _ok(r):
@@ -144,7 +151,7 @@ def test_the_hook_module_imports_only_the_standard_library(dist_dir):
 
 @pytest.mark.parametrize("first", ["import megablocks", "import stk", "import torch"])
 def test_whatever_is_imported_first_the_layers_run_through_our_kernels(dist_dir, first):
-    out = _ok(run(first + "\n" + TRAIN, dist_dir))
+    out = _ok(run(first + "\n" + train("dMoE, MoE" if first == "import megablocks" else "dMoE"), dist_dir))
     assert "TRITON_INTERPRET 1" in out  # a CPU machine: the plugin switched the interpreter on
     assert "activated by the import hook, just before" in out
     if first != "import torch":  # MegaBlocks or stk was part-way through its import at `import torch`
@@ -162,7 +169,7 @@ def test_a_client_that_swallows_the_import_error_gets_megablocks(dist_dir, tmp_p
         except ImportError:
             is_megablocks_imported = False
     """))
-    r = run("import client\nprint('client saw megablocks:', client.is_megablocks_imported)\n" + TRAIN,
+    r = run("import client\nprint('client saw megablocks:', client.is_megablocks_imported)\n" + train(),
             dist_dir, extra_path=[tmp_path])
     out = _ok(r)
     assert "client saw megablocks: True" in out
@@ -196,7 +203,7 @@ def test_triton_first_runs_auto_and_says_what_to_set_for_ascend_on_cpu(dist_dir)
 
 
 def test_triton_first_with_the_interpreter_requested_runs_our_kernels(dist_dir):
-    _ok(run("import triton\n" + TRAIN, dist_dir, TRITON_INTERPRET="1"))
+    _ok(run("import triton\n" + train(), dist_dir, TRITON_INTERPRET="1"))
 
 
 @pytest.mark.parametrize("switch", [{hook.AUTOLOAD_VAR: "0"}, {hook.TORCH_AUTOLOAD_VAR: "0"}],
@@ -210,10 +217,14 @@ def test_autoload_off_leaves_upstream_alone_until_the_plugin_is_imported(dist_di
             print("upstream alone:", type(e).__name__, e)
         print("hooked", hook.FINDER in sys.meta_path)
         import megablocks_ascend
-    """) + TRAIN, dist_dir, TRITON_INTERPRET="1", **switch)  # the failed import imported triton
-    out = _ok(r)
+    """) + (train() if hook.AUTOLOAD_VAR in switch else "print('TRAINED', 'installed', megablocks_ascend.installed())"),
+        dist_dir, TRITON_INTERPRET="1", **switch)  # the failed import imported triton
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
     assert "upstream alone: " in out and UPSTREAM_ALONE in out
-    assert "hooked False" in out
+    assert "hooked False" in out and "installed True" in out
+    if hook.AUTOLOAD_VAR not in switch:
+        return  # torch's switch: the same path from here on
     # `import megablocks_ascend` (in TRAIN, after the failed import) activates the plugin and
     # repairs MegaBlocks, as it always did
     assert "activated by `import megablocks_ascend`" in out and "activated by the import hook" not in out
