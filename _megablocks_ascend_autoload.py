@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import sys
+import threading
 from typing import Callable
 
 AUTOLOAD_VAR = "MEGABLOCKS_ASCEND_AUTOLOAD"
@@ -101,11 +102,12 @@ class _WatchedSpec(importlib.machinery.ModuleSpec):
         self.__dict__["_initializing"] = value
         on_start, on_end = self.__dict__.get("_megablocks_ascend_watch", (None, None))
         if value and on_start is not None:
-            _starting.append(self)
+            stack = _starting.__dict__.setdefault("specs", [])
+            stack.append(self)
             try:
                 on_start(self.name)
             finally:
-                _starting.pop()
+                stack.pop()
         elif not value:
             self.__dict__.pop("_megablocks_ascend_watch", None)
             self.__class__ = importlib.machinery.ModuleSpec
@@ -114,13 +116,14 @@ class _WatchedSpec(importlib.machinery.ModuleSpec):
                 on_end(self.name, module is not None and getattr(module, "__spec__", None) is self)
 
 
-_starting: list = []  # specs whose on_start is running: their modules are about to execute
+_starting = threading.local()  # .specs: those whose on_start runs in this thread, innermost last
 
 
 def starting():
-    """The spec of the module about to execute whose ``on_start`` callback is running (it is not
-    in ``sys.modules`` yet), or None."""
-    return _starting[-1] if _starting else None
+    """The spec of the module about to execute whose ``on_start`` callback is running in this
+    thread (that module is not in ``sys.modules`` yet), or None."""
+    specs = getattr(_starting, "specs", None)
+    return specs[-1] if specs else None
 
 
 def watch(spec, on_start: Callable[[str], None] | None = None,
