@@ -27,7 +27,12 @@ import os
 import sys
 import warnings
 
-import _megablocks_ascend_autoload as hook
+try:
+    import _megablocks_ascend_autoload as hook
+except ModuleNotFoundError as e:  # an editable install made before the hook module existed
+    raise ImportError("megablocks_ascend needs its import hook module _megablocks_ascend_autoload, which "
+                      "this installation does not provide: reinstall the package (tools/bootstrap.sh, or "
+                      "pip install --no-deps --no-build-isolation -e .)") from e
 
 record = hook.record
 events = hook.events
