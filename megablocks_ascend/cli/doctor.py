@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import sys
 
 import torch
@@ -52,6 +53,7 @@ def report() -> list[str]:
                 fixes.append(why)
         lines.append(f"  {dev:5} {'present' if present else 'absent ':8} -> {chosen}{'  (' + why + ')' if why else ''}")
 
+    lines += [""] + activation_report()
     lines += ["", f"patches installed: {patching.installed()}"]
     for patch in patching.PATCHES:
         replaced = list(patch.originals)
@@ -92,6 +94,21 @@ def backend_compiler(fixes: list | None) -> list[str]:
     lines = [f"back-end compiler: {found.describe()} ({where})"]
     lines.append("  hivmc (CANN, makes the binary): " + ("on PATH" if shutil.which("hivmc") else
                                                          "not found: the gate stops at the hivmc handoff"))
+    return lines
+
+
+def activation_report() -> list[str]:
+    """How the plugin was switched on in this process, and what decides it (README, "Activation")."""
+    import _megablocks_ascend_autoload as hook  # noqa: PLC0415
+    ours = [ep for ep in importlib.metadata.entry_points(group="torch.backends") if ep.name == "megablocks_ascend"]
+    torch_autoload = os.environ.get(hook.TORCH_AUTOLOAD_VAR, "1") == "1"
+    lines = ["activation:",
+             f"  torch.backends entry point: {ours[0].value if ours else 'not registered (the package is on the path but not installed: pip install -e .)'}",
+             f"  torch's autoload: {'on' if torch_autoload else 'off'} ({hook.TORCH_AUTOLOAD_VAR}="
+             f"{os.environ.get(hook.TORCH_AUTOLOAD_VAR, 'unset')}); "
+             f"megablocks-ascend's: {'on' if hook.enabled() else 'off'} ({hook.AUTOLOAD_VAR}="
+             f"{os.environ.get(hook.AUTOLOAD_VAR, 'unset')})"]
+    lines += [f"  - {event}" for event in hook.events()]
     return lines
 
 
