@@ -23,6 +23,13 @@ precision   ``bf16`` (bf16 parameters and input);              bf16
             ``torch.autocast(dtype=bfloat16)``)
 mlp_impl    ``grouped``, ``sparse`` (dMoE only; passed to       grouped
             ``Arguments``)
+mlp_type    ``mlp``, ``glu`` (dMoE only; passed to              mlp
+            ``Arguments``)
+wgrad_fill  how the grouped GEMM zeroes the weight gradients   empty
+            of experts without tokens (dMoE grouped only):
+            ``empty``: the blocks of those experts only (this
+            version); ``full``: a masked fill over the whole
+            gradient, as earlier versions did (before/after)
 ==========  ================================================  =====================
 
 Every variant is one row; a variant that fails (an unsupported combination, a capture that does
@@ -35,8 +42,23 @@ not work) is an error row with the exception, and the run goes on. Per row:
                the step makes it wait);
 ``kernel ms``  per step, the sum of the durations of the GPU kernels (and memcpy/memset) that
                ``torch.profiler`` records over ``--profile-steps`` steps, divided by them;
+``gemm ms``    the part of kernel ms spent in matrix-multiply kernels (kernel names matching
+               ``GEMM_KERNEL``: cuBLAS/CUTLASS GEMMs, torch._grouped_mm, our block-sparse
+               ``_sdd``/``_dsd``/``_dds``); ``other ms`` = kernel ms - gemm ms; the JSON lists
+               the largest other kernels per step (``top_other``);
+``floor ms``   dMoE only: gemm ms + the step's routing bytes at the copy ceiling (``routing_ms``):
+               the minimal bytes of its two gathers, two scatters and one router-weight
+               gradient as ``bench_routing.py`` counts them (dropless: every assignment kept,
+               no padding), divided by the copy rate ``bench_routing.copy_ceiling`` measures
+               at the start of the run; ``x floor`` = wall ms / floor ms;
 ``busy``       kernel ms / wall ms;
 ``syncs``      synchronizing CUDA calls per eager step (``torch.cuda.set_sync_debug_mode``);
+``launches``   per eager step, the aten ops that launch a device kernel plus the Triton launches
+               (``tests/launch_counts.py``'s ``LaunchCounter``: what the CPU regression test
+               counts, on this device); ``--launches-by-line`` keeps each row's launches by
+               source line in the JSON;
+``kernels``    per step, the GPU kernels (and memcpy/memset) ``torch.profiler`` records, the
+               same ones ``kernel ms`` sums (one aten op can be several: a radix sort is ~10);
 ``vs up``      the wall time of upstream's eager step (``cuda`` backend, ``eager``, same config,
                layer, precision and mlp_impl) divided by this row's: > 1 is faster;
 ``err``        largest relative (L2) error of the step's output and every gradient against
@@ -49,6 +71,7 @@ and modes, so every row computes the same step from the same values.
     python benchmarks/bench_steps.py                       # default set (H200: a few minutes)
     python benchmarks/bench_steps.py --only mode=compile,compile-ro --only config=qw128
     python benchmarks/bench_steps.py --quick               # CPU smoke test (interpreter)
+    python benchmarks/bench_steps.py --only layer=dMoE --only mlp_type=mlp,glu --only wgrad_fill=empty,full
 
 ``--quick`` runs tiny configs on the CPU with ``torch`` as the reference backend (no CUDA there):
 it checks that the harness works, and measures nothing.
@@ -61,6 +84,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -69,7 +94,7 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks"):
+for p in (REPO, REPO / "benchmarks", REPO / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -77,6 +102,7 @@ import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
 import torch  # noqa: E402
 
 import bench_routing as br  # noqa: E402
+from launch_counts import LaunchCounter  # noqa: E402
 from megablocks_ascend import backends  # noqa: E402
 
 TOKENS = 8192
@@ -96,10 +122,16 @@ FIELDS = {
     "mode": ("eager", "graph", "compile", "compile-ro"),
     "precision": ("bf16", "amp-bf16"),
     "mlp_impl": ("grouped", "sparse"),
+    "mlp_type": ("mlp", "glu"),
+    "wgrad_fill": ("empty", "full"),
 }
 DEFAULT = {"config": tuple(CONFIGS), "layer": ("dMoE", "MoE"), "backend": ("ascend", "cuda"),
-           "mode": ("eager", "graph"), "precision": ("bf16",), "mlp_impl": ("grouped",)}
+           "mode": ("eager", "graph"), "precision": ("bf16",), "mlp_impl": ("grouped",), "mlp_type": ("mlp",),
+           "wgrad_fill": ("empty",)}
 TOL = 2e-2  # relative L2 error of bf16 steps (different routing kernels round differently)
+# Matrix-multiply kernels, by name (CUDA): cuBLAS (gemm, xmma, nvjet), CUTLASS (torch._grouped_mm),
+# our block-sparse matmuls (kernels/blocksparse.py).
+GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|\b_sdd|\b_dsd|\b_dds", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +142,13 @@ class Variant:
     mode: str
     precision: str
     mlp_impl: str
+    mlp_type: str
+    wgrad_fill: str
 
     @property
     def family(self):
         """The variants that share parameters (and a reference)."""
-        return (self.config, self.layer, self.precision, self.mlp_impl)
+        return (self.config, self.layer, self.precision, self.mlp_impl, self.mlp_type)
 
     def name(self):
         return " ".join(f"{getattr(self, f)}" for f in FIELDS)
@@ -138,8 +172,10 @@ def select(only, quick):
     out = []
     for values in itertools.product(*(chosen[f] for f in FIELDS)):
         v = Variant(*values)
-        if v.layer == "MoE" and v.mlp_impl != chosen["mlp_impl"][0]:
-            continue  # MoE's experts are a batched matmul: mlp_impl does not apply, one row
+        if v.layer == "MoE" and (v.mlp_impl, v.mlp_type) != (chosen["mlp_impl"][0], chosen["mlp_type"][0]):
+            continue  # MoE's experts are a batched MLP: mlp_impl and mlp_type do not apply, one row
+        if v.wgrad_fill != chosen["wgrad_fill"][0] and (v.layer, v.mlp_impl) != ("dMoE", "grouped"):
+            continue  # only the grouped dMoE computes weight gradients with the grouped GEMM
         out.append(v)
     return out
 
@@ -156,15 +192,15 @@ class Case:
         from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
         from megablocks.layers.moe import MoE  # noqa: PLC0415
 
-        config, layer, precision, mlp_impl = family
+        config, layer, precision, mlp_impl, mlp_type = family
         c = configs[config]
         self.precision = precision
         self.device = device
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         torch.manual_seed(0)
         args = Arguments(hidden_size=c["H"], ffn_hidden_size=c["ffn"], moe_num_experts=c["E"], moe_top_k=c["k"],
-                         moe_capacity_factor=1, mlp_impl=mlp_impl, bf16=precision == "bf16", fp16=False,
-                         return_bias=False,
+                         moe_capacity_factor=1, mlp_impl=mlp_impl, mlp_type=mlp_type, bf16=precision == "bf16",
+                         fp16=False, return_bias=False,
                          device=torch.cuda.current_device() if device.type == "cuda" else device)
         self.layer = {"dMoE": dMoE, "MoE": MoE}[layer](args)
         gen = torch.Generator(device=device).manual_seed(1)
@@ -287,20 +323,62 @@ def time_steps(run, device, steps):
     return statistics.median(host), statistics.median(host)
 
 
-def kernel_ms(run, device, steps):
-    """GPU time per step: the kernels (and memcpy/memset) torch.profiler records, summed."""
+def kernel_times(run, device, steps):
+    """GPU time per step by kernel name (ms): the kernels (and memcpy/memset) torch.profiler records
+    over ``steps`` steps, divided by them; ``{}`` off CUDA."""
     if device.type != "cuda":
-        return None
+        return {}
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-    total = 0.0
+    per = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            total += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-    return total / steps / 1e3 if total else None
+            t, n = per.get(e.name, (0.0, 0))
+            per[e.name] = (t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)), n + 1)
+    return {name: (t / steps / 1e3, n / steps) for name, (t, n) in per.items()}
+
+
+def breakdown(times, top=8):
+    """kernel ms, gemm ms, other ms and the largest other kernels of a step, from kernel_times."""
+    if not times:
+        return {}
+    gemm = sum(t for name, (t, _) in times.items() if GEMM_KERNEL.search(name))
+    total = sum(t for t, _ in times.values())
+    others = sorted(((t, n, name) for name, (t, n) in times.items() if not GEMM_KERNEL.search(name)), reverse=True)
+    return dict(kernel_ms=total, gemm_ms=gemm, other_ms=total - gemm,
+                top_other=[dict(name=name[:300], ms=t, calls=n) for t, n, name in others[:top]])
+
+
+def routing_bytes(v, configs, tokens, dtype):
+    """Minimal bytes of a dMoE step's routing (bench_routing.min_bytes, dropless): forward gather
+    and weighted scatter, backward the scatter's weighted gather and router-weight gradient and the
+    gather's unweighted scatter. None for MoE (what its capacity drops depends on the routing)."""
+    if v.layer != "dMoE":
+        return None
+    c = configs[v.config]
+    b = torch.empty((), dtype=dtype).element_size()
+    n, h, meta = tokens * c["k"], c["H"], tokens * c["k"] * 4 + c["E"] * 4
+    gather = tokens * h * b + meta + n * h * b
+    scatter = n * h * b + meta + tokens * h * b
+    weighted = scatter + n * b
+    wgrad = n * h * b + tokens * h * b + meta + n * b
+    return 2 * gather + weighted + scatter + wgrad
+
+
+def count_launches(run, device, by_line):
+    """``(launches, by line)`` of one eager step: aten ops that launch a kernel plus Triton launches
+    (``LaunchCounter``; on the CPU every op counts, on a GPU the ops on it)."""
+    with LaunchCounter(device=None if device.type == "cpu" else device.type, where=by_line) as counted:
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    lines = None
+    if by_line:
+        lines = [dict(n=n, name=name, where=where) for (where, name), n in counted.by_where().items()]
+    return counted.total, lines
 
 
 def count_syncs(run, device):
@@ -318,9 +396,22 @@ def count_syncs(run, device):
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+@contextlib.contextmanager
+def wgrad_fill(name):
+    """The grouped GEMM's zero fill of empty weight-gradient groups for ``name`` (``full``: the
+    masked fill over the whole gradient of earlier versions, for before/after rows)."""
+    from megablocks_ascend.native import grouped_gemm  # noqa: PLC0415
+    old = grouped_gemm._legacy_full_fill
+    grouped_gemm._legacy_full_fill = name == "full"
+    try:
+        yield
+    finally:
+        grouped_gemm._legacy_full_fill = old
+
+
 def run_variant(v, case, reference, eager_of_backend, args, device):
     row = dataclasses.asdict(v)
-    with backend_env(v.backend):
+    with backend_env(v.backend), wgrad_fill(v.wgrad_fill):
         run, results = build(v, case)
         for _ in range(args.warmup):
             run()
@@ -336,11 +427,24 @@ def run_variant(v, case, reference, eager_of_backend, args, device):
         if not row["ok"]:
             return row, got
         row["wall_ms"], row["host_ms"] = time_steps(run, device, args.steps)
-        row["kernel_ms"] = kernel_ms(run, device, args.profile_steps)
-        if row["kernel_ms"]:
+        times = kernel_times(run, device, args.profile_steps)
+        row.update(breakdown(times))
+        if times:
+            row["kernels"] = sum(n for _, n in times.values())
+        if row.get("kernel_ms"):
             row["busy"] = row["kernel_ms"] / row["wall_ms"]
+        nbytes = routing_bytes(v, args.configs, args.tokens, case.dtype)  # amp-bf16: float32 activations
+        if nbytes is not None and args.ceiling_gbps:
+            row["routing_bytes"] = nbytes
+            row["routing_ms"] = nbytes / args.ceiling_gbps / 1e6
+            if row.get("gemm_ms") is not None:
+                row["floor_ms"] = row["gemm_ms"] + row["routing_ms"]
+                row["x_floor"] = row["wall_ms"] / row["floor_ms"]
         if v.mode == "eager":
             row["syncs"] = count_syncs(run, device)
+            row["launches"], lines = count_launches(run, device, args.launches_by_line)
+            if lines is not None:
+                row["launches_by_line"] = lines
     return row, got
 
 
@@ -352,7 +456,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--launches-by-line", action="store_true",
+                    help="keep each eager row's launches by source line in the JSON (slower count)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"),
+                    help="directory of the JSON and log (default: $OUT if set, else benchmarks/results)")
     ap.add_argument("--name", default="bench_steps")
     args = ap.parse_args(argv)
     device = br.setup()
@@ -365,16 +472,23 @@ def main(argv=None):
     tokens = QUICK_TOKENS if args.quick else TOKENS
     reference_backend = "torch" if device.type == "cpu" else "cuda"
     variants = select(args.only, args.quick)
+    default_fill = variants[0].wgrad_fill if variants else "empty"
+    args.configs, args.tokens = configs, tokens
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log, lines = br.logger()
     env = br.environment(device)
     env.update(tokens=tokens, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
                reference_backend=reference_backend, kernel_time="torch.profiler, CUDA kernels + memcpy/memset",
+               launches="tests/launch_counts.py LaunchCounter: aten ops that launch a kernel + Triton launches",
                wall_time="CUDA events at each step's start (median)")
+    ceiling = br.copy_ceiling(device, quick=args.quick)
+    args.ceiling_gbps = ceiling["GBps"]
+    env["copy_ceiling_GBps"] = args.ceiling_gbps
     log(f"environment: {json.dumps(env)}")
     log(f"{len(variants)} variants")
-    report = {"environment": env, "configs": {k: dict(configs[k], T=tokens) for k in configs}, "rows": []}
+    report = {"environment": env, "copy_ceiling": ceiling,
+              "configs": {k: dict(configs[k], T=tokens) for k in configs}, "rows": []}
     t_start = time.perf_counter()
 
     families = {}
@@ -391,7 +505,7 @@ def main(argv=None):
         # The reference (upstream eager) first, then each backend's eager (run for the ``self``
         # check even where not asked for: those rows say reference_only), then the rest.
         def eager_of(backend):
-            return Variant(family[0], family[1], backend, "eager", family[2], family[3])
+            return Variant(family[0], family[1], backend, "eager", family[2], family[3], family[4], default_fill)
         ref_v = eager_of(reference_backend)
         needed = set(members) | {ref_v} | {eager_of(v.backend) for v in members}
         order = sorted(needed, key=lambda v: (v != ref_v, v.mode != "eager", v.backend, v.mode))
@@ -407,7 +521,7 @@ def main(argv=None):
                 reference = got
             if v not in members:
                 row["reference_only"] = True
-            if v.mode == "eager" and got is not None:
+            if v.mode == "eager" and v.wgrad_fill == default_fill and got is not None:
                 eager[v.backend] = got
             report["rows"].append(row)
             log(f"  {v.name():55s} " + (f"ERROR {row['error'][:160]}" if "error" in row else
@@ -419,40 +533,63 @@ def main(argv=None):
         br.free(device)
         (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1))
 
-    upstream = {(r["config"], r["layer"], r["precision"], r["mlp_impl"]): r["wall_ms"]
-                for r in report["rows"] if r["backend"] == reference_backend and r["mode"] == "eager"
-                and r.get("wall_ms")}
+    def key(r):
+        return r["config"], r["layer"], r["precision"], r["mlp_impl"], r["mlp_type"]
+    upstream = {key(r): r["wall_ms"] for r in report["rows"] if r["backend"] == reference_backend
+                and r["mode"] == "eager" and r["wgrad_fill"] == default_fill and r.get("wall_ms")}
     for r in report["rows"]:
-        base = upstream.get((r["config"], r["layer"], r["precision"], r["mlp_impl"]))
+        base = upstream.get(key(r))
         if base and r.get("wall_ms"):
             r["vs_up"] = base / r["wall_ms"]
     report["seconds"] = time.perf_counter() - t_start
     (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1))
     log("")
     log(table(report["rows"]))
-    log(f"({report['seconds']:.0f} s; vs up = upstream eager wall / this wall, {reference_backend} backend)")
+    log(f"({report['seconds']:.0f} s; vs up = upstream eager wall / this wall, {reference_backend} backend; "
+        f"floor = gemm ms + routing bytes at the copy ceiling, {args.ceiling_gbps:.0f} GB/s)")
+    log("")
+    log(top_table(report["rows"]))
     (out_dir / f"{args.name}.log").write_text("\n".join(lines) + "\n")
     return 0
+
+
+def _lead(r):
+    return (f"{r['config']:8s} {r['layer']:5s} {r['backend']:7s} {r['mode']:10s} {r['precision']:8s} "
+            f"{r['mlp_impl']:7s} {r['mlp_type']:4s} {r['wgrad_fill']:5s} ")
 
 
 def table(rows):
     def f(r, key, fmt, width):
         v = r.get(key)
         return format(v, fmt).rjust(width) if v is not None else "-".rjust(width)
-    head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} "
-            f"{'wall ms':>8s} {'host ms':>8s} {'kern ms':>8s} {'busy':>5s} {'syncs':>5s} {'vs up':>6s} "
+    head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} {'type':4s} "
+            f"{'fill':5s} {'wall ms':>8s} {'host ms':>8s} {'kern ms':>8s} {'gemm ms':>8s} {'other ms':>8s} "
+            f"{'floor ms':>8s} {'x floor':>7s} {'busy':>5s} {'syncs':>5s} {'launch':>6s} {'kernels':>7s} {'vs up':>6s} "
             f"{'err':>8s} {'self':>8s}")
     out = [head]
     for r in rows:
-        lead = (f"{r['config']:8s} {r['layer']:5s} {r['backend']:7s} {r['mode']:10s} {r['precision']:8s} "
-                f"{r['mlp_impl']:7s} ")
         if "error" in r:
-            out.append(lead + "ERROR " + r["error"].splitlines()[0][:100])
+            out.append(_lead(r) + "ERROR " + r["error"].splitlines()[0][:100])
             continue
-        out.append(lead + f(r, "wall_ms", ".3f", 8) + " " + f(r, "host_ms", ".3f", 8) + " "
-                   + f(r, "kernel_ms", ".3f", 8) + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
+        out.append(_lead(r) + f(r, "wall_ms", ".3f", 8) + " " + f(r, "host_ms", ".3f", 8) + " "
+                   + f(r, "kernel_ms", ".3f", 8) + " " + f(r, "gemm_ms", ".3f", 8) + " " + f(r, "other_ms", ".3f", 8)
+                   + " " + f(r, "floor_ms", ".3f", 8) + " " + f(r, "x_floor", ".2f", 6) + "x"
+                   + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
+                   + " " + f(r, "launches", "d", 6) + " " + f(r, "kernels", ".0f", 7)
                    + " " + f(r, "vs_up", ".2f", 5) + "x " + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
                    + ("" if r.get("ok", True) else "  FAIL"))
+    return "\n".join(out)
+
+
+def top_table(rows, per_row=5):
+    """The largest non-GEMM kernels of each profiled row (ms per step, launches per step)."""
+    out = ["largest non-GEMM kernels per step (ms, launches):"]
+    for r in rows:
+        if not r.get("top_other"):
+            continue
+        out.append(_lead(r).rstrip())
+        for k in r["top_other"][:per_row]:
+            out.append(f"    {k['ms']:7.3f} ms {k['calls']:5.1f}x  {k['name'][:110]}")
     return "\n".join(out)
 
 

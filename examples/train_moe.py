@@ -1,6 +1,7 @@
 """Train a small language model whose feed-forward layers are MegaBlocks' unchanged MoE / dMoE.
 
-The only change a MegaBlocks user makes is the first import: ``import megablocks_ascend``.
+A MegaBlocks user changes nothing: installed, megablocks-ascend activates itself when MegaBlocks is
+imported (``import megablocks_ascend`` first does the same explicitly, as here).
 Routing then goes through our Ascend-shaped Triton kernels (``MEGABLOCKS_BACKEND=ascend``, the
 default of this script): on an NPU compiled by triton-ascend, on a CUDA GPU by Triton, and on
 a CPU run by the Triton interpreter, which is what the README's quick start does.
@@ -26,7 +27,7 @@ import time
 
 os.environ.setdefault("MEGABLOCKS_BACKEND", "ascend")
 
-import megablocks_ascend  # noqa: E402  (must come before MegaBlocks)
+import megablocks_ascend  # noqa: E402  (installed, the plugin also activates itself; with MEGABLOCKS_ASCEND_AUTOLOAD=0 this import must come first)
 import torch  # noqa: E402
 from megablocks.layers.arguments import Arguments  # noqa: E402
 from megablocks.layers.dmoe import dMoE  # noqa: E402

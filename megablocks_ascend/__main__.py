@@ -20,12 +20,12 @@ class Subcommand(NamedTuple):
 
 
 def _lower_arguments(parser: argparse.ArgumentParser) -> None:
-    from megablocks_ascend import lowering  # noqa: PLC0415
+    from megablocks_ascend.cli import lowering  # noqa: PLC0415
     lowering.add_arguments(parser)
 
 
 def _lower(args: argparse.Namespace) -> int:
-    from megablocks_ascend import lowering  # noqa: PLC0415
+    from megablocks_ascend.cli import lowering  # noqa: PLC0415
     return lowering.main(args)
 
 
@@ -40,11 +40,11 @@ def _module_command(module: str, help: str) -> Subcommand:
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "doctor": _module_command(
-        "megablocks_ascend.doctor",
+        "megablocks_ascend.cli.doctor",
         "print what this machine will run (backend per device, versions, patches) and how to fix "
         "what is missing"),
     "selftest": _module_command(
-        "megablocks_ascend.selftest",
+        "megablocks_ascend.cli.selftest",
         "compare every routing kernel with the torch backend on this machine's device (run this "
         "first on an NPU)"),
     "lower": Subcommand(

@@ -15,18 +15,31 @@ Targets
 
 The Unified Buffer budget (``npu``)
 -----------------------------------
-An A2-class vector core (Ascend 910B) has a 192 KiB Unified Buffer (UB). triton-ascend
-double-buffers loads, so every live buffer is counted twice. For a kernel that holds
-``BLOCK_M`` rows of ``BLOCK_X`` features, the live bytes are::
+An A2/A3 vector core (Ascend 910B, 910_93) has a 192 KiB Unified Buffer (UB). How many bytes of it
+a routing kernel's program takes is decided by the back-end compiler, ``bishengir-compile``: its
+memory planner places every buffer (the tiles, their double-buffered copies, masks, float32 copies
+and accumulators, index vectors, its own temporaries) at an offset in the UB. The model here,
+:func:`ub_bytes`, is calibrated on those plans (``python -m megablocks_ascend lower`` reads each
+configuration's plan; ``docs/notes/ascend-backend.md``) and is an **upper bound** of them::
 
-    2 * BLOCK_M * (BLOCK_X * bytes_per_element + bytes_per_row)  <=  UB_BYTES - UB_RESERVE
+    ub_bytes = UB_BUFFERS * ( BLOCK_M * BLOCK_X * per_element      (the [BLOCK_M, BLOCK_X] tiles)
+                            + BLOCK_M * (per_row + 4 * BLOCK_E * per_row_expert)
+                            + BLOCK_X * 4 * top_k * per_column )    (column vectors, per unrolled k)
+               + fixed
+    per_element = es * dtype_copies + 4 * f32_copies + (0 if hidden % BLOCK_X == 0 else masks)
+                  + (top_k - 1) * (es * dtype_copies_k + 4 * f32_copies_k)
 
-``bytes_per_element`` counts every tile-sized buffer of the kernel (see ``_TILE_BYTES``):
-the loaded tile in its own dtype, float32 copies for scaling or accumulation, and the
-tile cast back for the store. ``bytes_per_row`` counts the per-row vectors: the
-assignment slot or expert row (int32), the token (int32), the router weight (float32),
-and the row offset (int64). ``BLOCK_X`` is a power of two (``tl.arange`` requires it) and
-at least 32 bytes of the element type (one UB block: 16 bf16/fp16 or 8 fp32 elements).
+with one set of coefficients per kernel kind (:data:`UB_MODELS`), ``es`` the element size and
+``BLOCK_E`` the experts rounded up to a power of two. The coefficients are not a count of buffers
+(the planner shares offsets between buffers whose lives do not overlap, and unrolls ``top_k``):
+they are the least a linear model of these terms needs to stay at or above every plan recorded in
+``tests/data/ascend_memory_plans.json``, rounded up. Two checks hold it: a CI test compares the
+model with every recorded plan and checks that the recorded tiles are the ones :func:`tile` picks
+today, and the compile gate compares it with the plan of every configuration it compiles, on
+every CI run (a shortfall fails the gate). A tile is the largest power-of-two ``BLOCK_M`` (at most
+64) whose model fits ``UB_BYTES - UB_RESERVE``; the reserve is a margin for other compiler
+versions, whose plans can differ. ``BLOCK_X`` is a power of two (``tl.arange`` requires it), at
+most 512 and at least 32 bytes of the element type (one UB block: 16 bf16/fp16 or 8 fp32).
 
 The cube budget (``npu``, the block-sparse matmuls)
 ---------------------------------------------------
@@ -61,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 
 import torch
@@ -72,19 +86,32 @@ UB_RESERVE = 16 * 1024  # left to the compiler's own temporaries
 UB_BUFFERS = 2  # double buffering
 UB_BLOCK_BYTES = 32  # UB alignment unit
 
-# Tile-sized live buffers per element, as (multiple of the element size, extra float32 copies).
-_TILE_BYTES = {
-    # load tile (dtype) -> float32 scaled copy -> tile cast back (dtype)
-    "gather": (2, 1),
-    # load tile (dtype) -> float32 copy, float32 accumulator, accumulator cast back (dtype)
-    "scatter": (2, 2),
-    # two loaded tiles (dtype), their float32 copies, float32 product accumulator
-    "wgrad": (2, 3),
-    # the same kernel walking the experts' positions (top_k = 1, binned or padded): the rows of
-    # a sub-block share one expert lookup, so on CUDA it takes more, narrower rows (see tile())
-    "wgrad_walk": (2, 3),
+@dataclasses.dataclass(frozen=True)
+class UbModel:
+    """Coefficients of :func:`ub_bytes` for one kernel kind (see the module docstring)."""
+    dtype_copies: float  # tile bytes per element, in units of the element size
+    f32_copies: float  # ... in float32 units
+    masks: float  # bytes per element added when the last feature tile is partial (EVEN_X false)
+    dtype_copies_k: float  # per top_k beyond the first (top_k unrolled: tl.static_range)
+    f32_copies_k: float
+    per_row: float  # bytes per row of the sub-block
+    per_row_expert: float  # int32 words per row per BLOCK_E (a [BLOCK_M, BLOCK_E] search)
+    per_column: float  # int32 words per feature column per top_k (column offsets and masks)
+    fixed: int  # bytes per program (scalars, BLOCK_E vectors, the compiler's own)
+
+
+# Calibrated on bishengir-compile 1.2.0's plans for triton-ascend 3.2.0's IR (A2 and A3 targets):
+# the least coefficients (a linear program over every recorded plan of the kind's kernels) under
+# which the model bounds them all, rounded up, and 2 KiB more in the fixed part as a margin. Kinds and their kernels: gather (_gather,
+# _gather_tokens, _scatter_one), scatter (_scatter), wgrad (_wgrad, _wgrad_one; wgrad_walk is the
+# same kernel walking experts). docs/notes/ascend-backend.md has the data and how to refit.
+UB_MODELS = {
+    #                 dtype   f32     masks   dtype/k f32/k   row  row/E  col/k  fixed
+    "gather": UbModel(0.5, 1.5625, 1.5, 0.0, 0.0, 192, 8.125, 1.25, 9 * 1024),
+    "scatter": UbModel(0.4375, 0.625, 1.375, 0.6875, 0.1875, 240, 0.0, 0.5, 76 * 1024),
+    "wgrad": UbModel(1.0, 3.0625, 1.9375, 0.0, 0.0, 0, 2.375, 0.125, 20 * 1024),
 }
-_ROW_BYTES = 4 + 4 + 4 + 8  # slot/row int32, token int32, weight float32, row offset int64
+UB_MODELS["wgrad_walk"] = UB_MODELS["wgrad"]
 
 CUDA_PROGRAMS_PER_SM = 16  # 16 programs x 4 warps: a full SM (64 warps); see docs/notes/h200-speed.md
 INTERPRETER_PROGRAMS = 4
@@ -213,17 +240,29 @@ def num_programs(device: torch.device, work_items: int, *, unit: str = "vector",
     return max(1, min(n, work_items))
 
 
-def ub_bytes(kind: str, block_m: int, block_x: int, element_size: int) -> int:
-    """UB bytes one program of ``kind`` keeps live, double buffering included."""
-    dtype_copies, f32_copies = _TILE_BYTES[kind]
-    per_element = dtype_copies * element_size + 4 * f32_copies
-    return UB_BUFFERS * block_m * (block_x * per_element + _ROW_BYTES)
+def ub_bytes(kind: str, block_m: int, block_x: int, element_size: int, *, even: bool = True,
+             top_k: int = 1, block_e: int = 2) -> int:
+    """UB bytes one program of ``kind`` takes, double buffering and the compiler's own buffers
+    included: an upper bound of bishengir-compile's plan (module docstring). ``even``: the feature
+    size is a multiple of ``block_x``; ``top_k``: slots per token; ``block_e``: ``block_e(experts)``."""
+    m = UB_MODELS[kind]
+    per_element = (element_size * m.dtype_copies + 4 * m.f32_copies + (0 if even else m.masks)
+                   + (top_k - 1) * (element_size * m.dtype_copies_k + 4 * m.f32_copies_k))
+    live = (block_m * block_x * per_element + block_m * (m.per_row + 4 * block_e * m.per_row_expert)
+            + block_x * 4 * top_k * m.per_column)
+    total = math.ceil(UB_BUFFERS * live) + m.fixed
+    return -(-total // UB_BLOCK_BYTES) * UB_BLOCK_BYTES
 
 
 @functools.lru_cache(maxsize=4096)  # called on every launch; a pure function of its arguments
-def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile:
-    """Sub-block rows and feature-tile width for a kernel of ``kind`` on ``device_target``."""
-    if kind not in _TILE_BYTES:
+def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str, *, top_k: int = 1,
+         num_experts: int = 1) -> Tile:
+    """Sub-block rows and feature-tile width for a kernel of ``kind`` on ``device_target``.
+
+    On an NPU the rows are the most the Unified Buffer model allows (:func:`ub_bytes`), which
+    grows with ``top_k`` (the scatter and the token-major gather unroll their top_k slots) and
+    ``num_experts`` (the gather's per-row expert search); other targets ignore both."""
+    if kind not in UB_MODELS:
         raise ValueError(f"unknown kernel kind {kind!r}")
     es = dtype.itemsize  # (not torch.empty(...).element_size(): this runs on every launch)
     min_x = max(UB_BLOCK_BYTES // es, 1)
@@ -231,8 +270,10 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
     if device_target == "npu":
         block_x = min(hidden_pow2, 512)
         budget = UB_BYTES - UB_RESERVE
+        fits = functools.partial(ub_bytes, kind, block_x=block_x, element_size=es, even=hidden % block_x == 0,
+                                 top_k=max(int(top_k), 1), block_e=block_e(num_experts))
         block_m = 1
-        while block_m < 64 and ub_bytes(kind, block_m * 2, block_x, es) <= budget:
+        while block_m < 64 and fits(block_m * 2) <= budget:
             block_m *= 2
         return Tile(block_m, block_x)
     if device_target == "cuda":
@@ -252,12 +293,48 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str) -> Tile
 
 
 # --------------------------------------------------------------------------------------------
+# The zero fill of empty groups (kernels/grouped.py): one zero tile of BLOCK elements is the only
+# live buffer, stored, never loaded. On an NPU 2 * BLOCK * bytes (double buffering) of UB: 64 KiB
+# at float32, well inside the budget; on CUDA one 16-byte vector per thread of 4 warps, 8 times.
+
+FILL_BLOCKS = {"npu": 8192, "cuda": 4096, "interpreter": 4096}  # elements per zero tile
+FILL_CHUNK_BLOCKS = 16  # tiles per work item: an empty group's zeros are spread over many programs
+
+
+def fill_block(dtype: torch.dtype, device_target: str) -> int:
+    """Elements per zero tile of the empty-group fill on ``device_target``."""
+    if device_target not in FILL_BLOCKS:
+        raise ValueError(f"unknown target {device_target!r}")
+    return FILL_BLOCKS[device_target]
+
+
+def fill_ub_bytes(block: int, element_size: int) -> int:
+    """UB bytes one program of the empty-group fill keeps live (the zero tile, double-buffered)."""
+    return UB_BUFFERS * block * element_size
+
+
+@functools.lru_cache(maxsize=None)
+def npu_product(index: int) -> str:
+    """The NPU's product name as torch_npu reports it (e.g. ``Ascend910B4`` for an Atlas A2
+    training card, ``Ascend910_9391`` for A3, ``Ascend310P3`` for an Atlas inference card)."""
+    return str(torch.npu.get_device_name(index))
+
+
+def is_atlas_a2(device: torch.device) -> bool:
+    """Whether ``device`` is an Atlas A2 training-series NPU (Ascend 910B): the product line that
+    torch_npu's ``npu_grouped_matmul`` documentation lists float32 operands for."""
+    if device.type != "npu":
+        return False
+    index = device.index if device.index is not None else torch.npu.current_device()
+    return npu_product(index).startswith("Ascend910B")
+
+
 # The routing preparation (kernels/preparation.py): a counting sort of expert ids. Its work tiles are
-# [BLOCK_M, BLOCK_E] (which of BLOCK_E keys each of BLOCK_M items has), with BLOCK_E the next power
-# of two of the number of keys; a tile and the few int32 tiles derived from it (its int32 copy,
-# its scan along the items, a selection) are live at once. On an NPU they are computed, not loaded
-# (no double buffering): 4096 elements make ~5 x 16 KiB, a third of the UB budget. On CUDA 4096
-# elements are 32 per thread of 4 warps per tile. The interpreter's cost is per tile operation.
+# [BLOCK_E, BLOCK_M] (which of BLOCK_E keys each of BLOCK_M items has, float32), with BLOCK_E the next
+# power of two of the number of keys. On an NPU, bishengir-compile plans ~120-130 KiB of the 192 KiB
+# Unified Buffer for 4096-element tiles at 8 to 256 experts and ~185 KiB at 1024, where the per-key
+# vectors dominate (docs/notes/routing-preparation.md). On CUDA 4096 elements are 32 per thread of 4
+# warps per tile. The interpreter's cost is per tile operation.
 
 MAX_PREP_KEYS = 1024  # experts (or sort keys) the counting sort takes; BLOCK_E up to this
 PREP_TILE_ELEMENTS = {"npu": 4096, "cuda": 4096, "interpreter": 16384}

@@ -25,10 +25,20 @@ variable                           default   meaning
 ``MEGABLOCKS_ASCEND_NUM_PROGRAMS`` unset     Overrides the number of programs (the 1-D grid) the
                                              Ascend kernels launch; by default it comes from the
                                              device (vector cores on an NPU, SMs on CUDA).
-``TRITON_INTERPRET``               unset     Triton's own switch. ``import megablocks_ascend`` sets
-                                             it to ``1`` when the machine has neither CUDA nor
-                                             torch_npu and nothing imported triton yet: there the
-                                             interpreter is the only way Triton kernels run.
+``MEGABLOCKS_ASCEND_AUTOLOAD``     ``1``     ``0`` turns the autoload off: ``import torch`` then no
+                                             longer puts the import hook in place that activates
+                                             the plugin just before MegaBlocks or stk execute, and
+                                             ``import megablocks_ascend`` must come before them.
+                                             Read at ``import torch``, by
+                                             ``_megablocks_ascend_autoload`` (outside the package).
+                                             An invalid value makes ``import torch`` fail.
+``TORCH_DEVICE_BACKEND_AUTOLOAD``  ``1``     torch's own switch: ``0`` turns off every
+                                             ``torch.backends`` entry point (ours and torch_npu's).
+``TRITON_INTERPRET``               unset     Triton's own switch. megablocks-ascend sets it to
+                                             ``1`` when it is activated on a machine with neither
+                                             CUDA nor torch_npu and nothing imported triton yet:
+                                             there the interpreter is the only way Triton kernels
+                                             run. ``import torch`` alone never sets it.
 =================================  ========  ==================================================
 """
 
@@ -36,9 +46,13 @@ from __future__ import annotations
 
 import os
 
+import _megablocks_ascend_autoload as _autoload
+
 BACKEND_VAR = "MEGABLOCKS_BACKEND"
 CHECKS_VAR = "MEGABLOCKS_ASCEND_CHECKS"
 NUM_PROGRAMS_VAR = "MEGABLOCKS_ASCEND_NUM_PROGRAMS"
+AUTOLOAD_VAR = _autoload.AUTOLOAD_VAR  # parsed there: it is read before this package may be imported
+autoload_enabled = _autoload.enabled
 
 BACKENDS = ("auto", "ascend", "cuda", "torch")
 

@@ -25,23 +25,71 @@ def test_bench_steps_quick_cpu(tmp_path):
     reference backend and timed, the sparse dMoE included; variants that cannot run here (graph
     capture without CUDA) are error rows, and the run goes on."""
     out = _run("bench_steps.py", "--only", "config=tiny", "--only", "mode=eager,graph",
-               "--only", "mlp_impl=grouped,sparse", tmp_path=tmp_path)
+               "--only", "mlp_impl=grouped,sparse", "--only", "wgrad_fill=empty,full", tmp_path=tmp_path)
     report = json.loads((tmp_path / "bench_steps.json").read_text())
     rows = report["rows"]
-    assert "config   layer backend mode" in out
-    eager = [r for r in rows if r["mode"] == "eager" and r["mlp_impl"] == "grouped"]
+    assert "config   layer backend mode" in out and "floor ms" in out
+    # The before/after rows: the earlier full masked fill of weight gradients, grouped dMoE only.
+    full = [r for r in rows if r["wgrad_fill"] == "full"]
+    assert full and all((r["layer"], r["mlp_impl"]) == ("dMoE", "grouped") for r in full)
+    assert all(r["ok"] for r in full if r["mode"] == "eager")
+    # The routing-bytes floor: dMoE rows only (T=32, k=2, H=64, bf16: 2 gathers, 2 scatters, 1 wgrad).
+    n, t, h, meta = 64, 32, 64, 64 * 4 + 4 * 4
+    want = 2 * (t * h * 2 + meta + n * h * 2) + 2 * (n * h * 2 + meta + t * h * 2) + n * 2 \
+        + (n * h * 2 + t * h * 2 + meta + n * 2)
+    assert {r["routing_bytes"] for r in rows if r["layer"] == "dMoE" and r.get("ok")} == {want}
+    assert not any("routing_bytes" in r for r in rows if r["layer"] == "MoE")
+    eager = [r for r in rows if r["mode"] == "eager" and r["mlp_impl"] == "grouped" and r["wgrad_fill"] == "empty"]
     assert {(r["layer"], r["backend"]) for r in eager} == {(l, b) for l in ("dMoE", "MoE") for b in ("ascend", "torch")}
     for r in eager:
         assert "error" not in r, r
         assert r["ok"] and r["wall_ms"] > 0 and r["vs_up"] > 0
         if r["backend"] == "ascend":
             assert 0 <= r["err"] <= 2e-2  # checked against the reference before it was timed
+    # launches per eager step (the CPU counter): ours well under the plain-PyTorch reference's
+    launches = {(r["layer"], r["backend"]): r["launches"] for r in eager}
+    for layer in ("dMoE", "MoE"):
+        assert 0 < launches[(layer, "ascend")] < launches[(layer, "torch")], launches
     graph = [r for r in rows if r["mode"] == "graph" and r["mlp_impl"] == "grouped"]
     assert graph and all("needs CUDA" in r["error"] for r in graph)
     sparse = [r for r in rows if r["layer"] == "dMoE" and r["mlp_impl"] == "sparse"]
     assert {r["backend"] for r in sparse if r["mode"] == "eager" and r.get("ok")} == {"ascend", "torch"}
     assert all("needs CUDA" in r["error"] for r in sparse if r["mode"] == "graph")
     assert not any(r["layer"] == "MoE" and r["mlp_impl"] == "sparse" for r in rows)  # no such variant
+
+
+def test_launches_per_step_quick_cpu(tmp_path):
+    """benchmarks/launches_per_step.py on the CPU, MoE only: ours and upstream's kernels (the
+    interpreter, upstream's patches lifted for the step) are counted with their source lines, and
+    our step launches no more than upstream's."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "launches_per_step.py"), "--layers", "MoE",
+                        "--backends", "ascend,upstream", "--out", str(tmp_path), "--name", "lps"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["backend"]: r for r in json.loads((tmp_path / "lps.json").read_text())["rows"]}
+    assert set(rows) == {"ascend", "upstream"} and not any("error" in r for r in rows.values()), rows
+    wheres = {b: {e["where"].split(":")[0] for e in r["launches"]} for b, r in rows.items()}
+    assert "megablocks_ascend/kernels/routing.py" in wheres["ascend"]
+    assert "megablocks/backend/kernels.py" in wheres["upstream"]  # upstream's own kernels ran
+    assert "megablocks/backend/kernels.py" not in wheres["ascend"]
+    assert rows["ascend"]["total"] <= rows["upstream"]["total"]
+    assert "| origin | line | op | ascend | upstream |" in (tmp_path / "lps.md").read_text()
+
+
+def test_check_grouped_mm_empty_quick_cpu(tmp_path):
+    """benchmarks/check_grouped_mm_empty.py --quick: every pattern runs through torch._grouped_mm's
+    CPU kernel and the stand-in, and the summary says what it found."""
+    import torch
+    if not hasattr(torch, "_grouped_mm"):
+        import pytest
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    _run("check_grouped_mm_empty.py", "--no-time", tmp_path=tmp_path)
+    report = json.loads((tmp_path / "check_grouped_mm_empty.json").read_text())
+    modes = {(r["shape"], r["pattern"], r["mode"]) for r in report["checks"]}
+    assert ("quick", "several", "eager") in modes and ("quick", "several", "stand-in") in modes
+    assert report["summary"]["errors"] == 0 and report["summary"]["standin_always_zero"]
+    assert report["summary"]["torch_grouped_mm_empty_groups_always_zero"]  # the CPU kernel writes them
 
 
 def test_bench_steps_rejects_unknown_fields(tmp_path):

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from megablocks_ascend import doctor, selftest
+from megablocks_ascend.cli import doctor, selftest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,11 @@ def test_doctor_reports_backends_versions_and_patches():
     r = _cli("doctor")
     assert r.returncode == 0, r.stderr
     assert "patches installed: True" in r.stdout
+    # how the plugin was activated (README.md, "Activation"): here by doctor's own import
+    assert "activation:" in r.stdout and "torch.backends entry point:" in r.stdout
+    assert "megablocks-ascend's: on (MEGABLOCKS_ASCEND_AUTOLOAD=unset)" in r.stdout or \
+        "MEGABLOCKS_ASCEND_AUTOLOAD" in os.environ
+    assert "- activated by `import megablocks_ascend`" in r.stdout
 
 
 def test_selftest_passes_on_cpu_and_fails_on_a_broken_kernel(monkeypatch, capsys):

@@ -11,25 +11,48 @@ from megablocks_ascend import compat, devices
 @pytest.mark.parametrize("kind", ["gather", "scatter", "wgrad", "wgrad_walk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [1, 7, 16, 1000, 1024, 4096, 7168])
-def test_npu_tiles_fit_the_unified_buffer_and_are_aligned(kind, dtype, hidden):
-    t = devices.tile(kind, dtype, hidden, "npu")
+@pytest.mark.parametrize("top_k, experts", [(1, 1), (2, 8), (8, 256)])
+def test_npu_tiles_fit_the_unified_buffer_and_are_aligned(kind, dtype, hidden, top_k, experts):
+    t = devices.tile(kind, dtype, hidden, "npu", top_k=top_k, num_experts=experts)
     es = torch.empty((), dtype=dtype).element_size()
-    # Every live buffer, double-buffered, fits the UB minus the compiler's reserve ...
-    assert devices.ub_bytes(kind, t.block_m, t.block_x, es) <= devices.UB_BYTES - devices.UB_RESERVE
+
+    def model(block_m):
+        return devices.ub_bytes(kind, block_m, t.block_x, es, even=hidden % t.block_x == 0, top_k=top_k,
+                                block_e=devices.block_e(experts))
+    # The model of the plan fits the UB minus the reserve (or the tile is down to one row) ...
+    assert model(t.block_m) <= devices.UB_BYTES - devices.UB_RESERVE or t.block_m == 1
     # ... and the sub-block is as large as the budget allows (doubling it would not fit), up to 64.
-    assert t.block_m == 64 or devices.ub_bytes(kind, 2 * t.block_m, t.block_x, es) > \
-        devices.UB_BYTES - devices.UB_RESERVE
+    assert t.block_m == 64 or model(2 * t.block_m) > devices.UB_BYTES - devices.UB_RESERVE
     # Tiles are powers of two of whole 32-byte UB blocks.
     assert t.block_x & (t.block_x - 1) == 0 and t.block_m & (t.block_m - 1) == 0
     assert (t.block_x * es) % devices.UB_BLOCK_BYTES == 0
 
 
-def test_ub_bytes_counts_each_buffer():
-    # gather: dtype tile + float32 copy + dtype tile, per element; 20 bytes of row vectors; x2 buffers.
-    assert devices.ub_bytes("gather", 8, 512, 2) == 2 * 8 * (512 * (2 * 2 + 4) + 20)
-    # scatter keeps a float32 copy and a float32 accumulator; wgrad two float32 copies and a product.
-    assert devices.ub_bytes("scatter", 1, 1, 4) == 2 * (2 * 4 + 2 * 4 + 20)
-    assert devices.ub_bytes("wgrad", 1, 1, 2) == 2 * (2 * 2 + 3 * 4 + 20)
+def test_ub_bytes_is_the_documented_formula():
+    m = devices.UB_MODELS["scatter"]
+    bm, bx, es, k, be = 8, 512, 2, 4, 16
+    per_element = es * m.dtype_copies + 4 * m.f32_copies + m.masks + (k - 1) * (es * m.dtype_copies_k + 4 * m.f32_copies_k)
+    live = bm * bx * per_element + bm * (m.per_row + 4 * be * m.per_row_expert) + bx * 4 * k * m.per_column
+    want = 2 * live + m.fixed
+    got = devices.ub_bytes("scatter", bm, bx, es, even=False, top_k=k, block_e=be)
+    assert want <= got < want + devices.UB_BLOCK_BYTES + 1 and got % devices.UB_BLOCK_BYTES == 0
+    # more of anything never takes less
+    for kind in devices.UB_MODELS:
+        base = devices.ub_bytes(kind, 4, 128, 2)
+        assert devices.ub_bytes(kind, 8, 128, 2) > base and devices.ub_bytes(kind, 4, 256, 2) > base
+        assert devices.ub_bytes(kind, 4, 128, 4) >= base and devices.ub_bytes(kind, 4, 128, 2, even=False) >= base
+        assert devices.ub_bytes(kind, 4, 128, 2, top_k=8) >= base
+        assert devices.ub_bytes(kind, 4, 128, 2, block_e=256) >= base
+
+
+def test_npu_tiles_shrink_where_the_plan_grows():
+    """What the compiler's plans showed (docs/notes/ascend-backend.md): the scatter's UB grows with
+    top_k (its slots are unrolled), the gather's with the experts (a [BLOCK_M, BLOCK_E] search)."""
+    scatter = [devices.tile("scatter", torch.float32, 4096, "npu", top_k=k).block_m for k in (1, 2, 4, 8)]
+    assert scatter == sorted(scatter, reverse=True) and scatter[-1] < scatter[0]
+    gather = [devices.tile("gather", torch.bfloat16, 4096, "npu", top_k=2, num_experts=e).block_m
+              for e in (8, 64, 256)]
+    assert gather == sorted(gather, reverse=True) and gather[-1] < gather[0]
 
 
 def test_other_targets_tiles():

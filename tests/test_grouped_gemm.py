@@ -370,16 +370,29 @@ def test_impl_name_cuda_selection_logic(monkeypatch):
     assert gg.gmm_impl_name(cuda_a(torch.bfloat16)) == 'loop'
 
 
+def _fake_npu_product(monkeypatch, name):
+    """Make megablocks_ascend.devices report NPU 0 as the product ``name`` (no NPU here)."""
+    from megablocks_ascend import devices
+    monkeypatch.setattr(devices, 'npu_product', lambda index: name)
+
+
 def test_impl_name_npu_selection_logic(monkeypatch):
-    """Selection logic for NPU tensors, without an NPU (fake torch_npu module)."""
+    """Selection logic for NPU tensors, without an NPU (fake torch_npu module): fp16/bf16 on
+    every product, fp32 on Atlas A2 (Ascend 910B) only, as torch_npu's docs list it; fp64 never."""
     npu_a = lambda dt: types.SimpleNamespace(device=types.SimpleNamespace(type='npu', index=0),
                                              dtype=dt)
     monkeypatch.setitem(sys.modules, 'torch_npu', types.ModuleType('torch_npu'))
     assert gg.gmm_impl_name(npu_a(torch.bfloat16)) == 'loop'      # no npu_grouped_matmul
     sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
+    _fake_npu_product(monkeypatch, 'Ascend910B4')
     assert gg.gmm_impl_name(npu_a(torch.bfloat16)) == 'npu_grouped_matmul'
     assert gg.gmm_impl_name(npu_a(torch.float16)) == 'npu_grouped_matmul'
-    assert gg.gmm_impl_name(npu_a(torch.float32)) == 'loop'
+    assert gg.gmm_impl_name(npu_a(torch.float32)) == 'npu_grouped_matmul'
+    assert gg.gmm_impl_name(npu_a(torch.float64)) == 'loop'
+    for other in ('Ascend910_9391', 'Ascend310P3'):                # A3, an inference card
+        _fake_npu_product(monkeypatch, other)
+        assert gg.gmm_impl_name(npu_a(torch.float32)) == 'loop', other
+        assert gg.gmm_impl_name(npu_a(torch.bfloat16)) == 'npu_grouped_matmul', other
 
 
 def test_grouped_mm_alignment_gate():
@@ -415,9 +428,11 @@ def test_grouped_mm_branch_with_recording_fake(monkeypatch, trans_a, trans_b):
     Proves: offsets are cumulative int32 on the operands' device; the views
     passed encode trans_a/trans_b the way torch._grouped_mm's 2d-3d / 2d-2d
     forms expect (the result matches the float64 reference); empty K-groups are
-    zeroed; ``c`` is filled and returned.  Does not prove anything about the
-    CUDA kernels, alignment on a real GPU, or performance.
+    zeroed where the kernel is not known to write them (CUDA, simulated here);
+    ``c`` is filled and returned.  Does not prove anything about the CUDA
+    kernels, alignment on a real GPU, or performance.
     """
+    monkeypatch.setattr(gg, '_grouped_mm_writes_empty_groups', lambda device: False)
     real = torch._grouped_mm
     calls = []
 
@@ -483,7 +498,10 @@ class _FakeTorchNpu(types.ModuleType):
         gl = group_list.tolist()
         sizes = gl if group_list_type == 1 else [e - s for s, e in zip([0] + gl[:-1], gl)]
         assert group_list_type in (0, 1) and min(sizes) >= 0
+        assert group_list_type == 0 or len(gl) != 1          # "cannot have length 1" (counts)
         xx, ww = x[0], weight[0]
+        # Non-quantized, single tensors: fp16, bf16, fp32 (A2), x and weight of one dtype; y the same.
+        assert xx.dtype == ww.dtype and xx.dtype in (torch.float16, torch.bfloat16, torch.float32)
         if group_type == 0:
             assert xx.ndim == 2 and ww.ndim == 3 and xx.is_contiguous()
             assert ww.is_contiguous() or ww.transpose(1, 2).is_contiguous()
@@ -542,6 +560,37 @@ def test_npu_branch_with_fake_torch_npu(monkeypatch, trans_a, trans_b):
         w = call['weight'][0]
         assert w.shape == (4, 8, 6)
         assert (w.stride(1) == 1) == trans_b
+
+
+@pytest.mark.parametrize('trans_a,trans_b', COMBOS)
+def test_npu_branch_float32(monkeypatch, trans_a, trans_b):
+    """float32 operands reach npu_grouped_matmul as they are (Atlas A2 documents them): one call,
+    float32 result, as accurate as the float64 reference allows; device sizes, no host read."""
+    fake = _FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, 'torch_npu', fake)
+    monkeypatch.setattr(gg, '_select_impl', lambda *args, **kw: 'npu_grouped_matmul')
+    monkeypatch.setattr(gg, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
+    sizes = [3, 0, 5, 2]
+    a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.float32, k=8, n=6)
+    out = gg.backend.gmm(a, b, bs, trans_a=trans_a, trans_b=trans_b)
+    (call,) = fake.calls
+    assert call['x'][0].dtype == torch.float32 and out.dtype == torch.float32
+    assert rel_err(out, ref_gmm(a, b, sizes, trans_a, trans_b)) < TOL[torch.float32]
+    if trans_a:
+        assert torch.count_nonzero(out[1]) == 0
+
+
+def test_npu_single_group_goes_to_the_loop(monkeypatch):
+    """One expert: npu_grouped_matmul's docs refuse a group_list of counts of length 1."""
+    monkeypatch.setitem(sys.modules, 'torch_npu', types.ModuleType('torch_npu'))
+    sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
+    npu = types.SimpleNamespace(type='npu', index=0)
+    a = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(8, 16), numel=lambda: 128)
+    one = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(1, 16, 24), numel=lambda: 384)
+    two = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(2, 16, 24), numel=lambda: 768)
+    assert gg.gmm_impl_name(a, one) == 'loop' and gg.gmm_impl_name(a, two) == 'npu_grouped_matmul'
+    monkeypatch.setattr(gg, '_fill_kernel_runs', lambda device: True)
+    assert not gg.takes_device_sizes(npu, torch.bfloat16, (2048, 768), 1)
 
 
 def test_full_dispatch_reaches_npu_branch(monkeypatch):
@@ -715,7 +764,9 @@ def test_device_sizes_with_no_rows_need_no_read(trans_a, trans_b):
 def test_grouped_mm_branch_device_sizes_with_recording_fake(monkeypatch, trans_a, trans_b):
     """``_gmm_grouped_mm`` with device sizes: the offsets handed to torch._grouped_mm are int32
     cumulative ends on the operands' device, computed without reading batch_sizes; empty groups
-    of the trans_a form are zeroed even when the kernel leaves garbage there."""
+    of the trans_a form are zeroed (on the device: kernels/grouped.py, in the interpreter here) where
+    the kernel is not known to write them (CUDA, simulated here) and leaves garbage there."""
+    monkeypatch.setattr(gg, '_grouped_mm_writes_empty_groups', lambda device: False)
     real = torch._grouped_mm
     calls = []
 
@@ -780,13 +831,25 @@ def test_takes_device_sizes_per_device(monkeypatch):
     monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: False)
     assert not gg.takes_device_sizes(cuda, bf, (2048, 768), 128)
 
+    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: True)
+    assert gg.takes_device_sizes(cuda, bf, (2048, 768), 1023)
+    assert not gg.takes_device_sizes(cuda, bf, (2048, 768), 1024)   # the CUTLASS kernel's limit
+
     npu = types.SimpleNamespace(type='npu', index=0)              # only its type is looked at
     monkeypatch.setitem(sys.modules, 'torch_npu', types.ModuleType('torch_npu'))
+    _fake_npu_product(monkeypatch, 'Ascend910B4')
     assert not gg.takes_device_sizes(npu, bf, (2048, 768), 128)      # no npu_grouped_matmul
     sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
+    # The empty-group fill of the weight gradients is a Triton kernel: no triton-ascend, no device sizes.
+    assert not gg._fill_kernel_runs(npu)                             # standard triton here
+    assert not gg.takes_device_sizes(npu, bf, (2048, 768), 128)
+    monkeypatch.setattr(gg, '_fill_kernel_runs', lambda device: True)
     assert gg.takes_device_sizes(npu, bf, (2048, 768), 128)
     assert gg.takes_device_sizes(npu, fp16, (2048, 766), 128)        # no 16-byte rule documented
-    assert not gg.takes_device_sizes(npu, fp32, (2048, 768), 128)
+    assert gg.takes_device_sizes(npu, fp32, (2048, 768), 128)        # Atlas A2: documented
+    _fake_npu_product(monkeypatch, 'Ascend910_9391')
+    assert not gg.takes_device_sizes(npu, fp32, (2048, 768), 128)    # A3: not documented -> loop
+    assert not gg.takes_device_sizes(npu, torch.float64, (2048, 768), 128)
     assert not gg.takes_device_sizes(npu, bf, (2048, 768), 2048)     # > 1024 groups
     assert not gg.takes_device_sizes(npu, bf, (65536, 768), 128)
 

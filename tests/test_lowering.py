@@ -1,4 +1,4 @@
-"""The Ascend compile gate (megablocks_ascend.lowering) in the project venv (standard triton).
+"""The Ascend compile gate (megablocks_ascend.cli.lowering) in the project venv (standard triton).
 
 The IR fixtures below are pieces of real triton-ascend 3.2.0 ``ttadapter`` output for our kernels
 (constants and unrelated ops trimmed). The one test that lowers needs triton-ascend and is skipped
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megablocks_ascend import compat, devices, lowering
-from megablocks_ascend.kernels import blocksparse, preparation, routing
+from megablocks_ascend import compat, devices
+from megablocks_ascend.cli import lowering
+from megablocks_ascend.kernels import blocksparse, grouped, preparation, routing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,8 @@ def _constexpr_names(spec):
     return {k for k in spec.axes if k not in lowering.SIZE_AXES} | set(spec.derived)
 
 
-@pytest.mark.parametrize("module", [routing, preparation, blocksparse], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("module", [routing, preparation, blocksparse, grouped],
+                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_every_kernel_has_a_table(module):
     kernels = {name for name, obj in vars(module).items() if isinstance(obj, type(routing._gather))}
     short = module.__name__.rsplit(".", 1)[-1]
@@ -52,6 +54,14 @@ def test_table_names_match_kernel_signature(spec):
     assert set(cfg.scalars) | set(spec.data_ptrs) | _index_ptrs(spec.name) == set(runtime)
 
 
+@pytest.mark.parametrize("spec", lowering.ROUTING_KERNELS, ids=lambda s: s.name)
+def test_table_knows_which_kernels_unroll_top_k(spec):
+    """Their Unified Buffer plan grows with top_k, so their launchers pass it to devices.tile."""
+    import inspect
+    source = inspect.getsource(lowering._kernel(spec).fn)
+    assert spec.unrolls_top_k == ("static_range(TOP_K)" in source)
+
+
 def _index_ptrs(name):
     return {"_sdd": {"row_indices", "column_indices"},
             "_dsd": {"offsets", "indices", "block_offsets"},
@@ -66,7 +76,8 @@ def _index_ptrs(name):
             "_wgrad_one": {"indices", "bins", "padded_bins"},
             "_count": {"counts"},
             "_place": {"counts", "indices", "bin_ids", "tokens_per_expert", "bins", "padded_bins",
-                       "slot_to_row"}}[name]
+                       "slot_to_row"},
+            "_zero_empty_groups": {"ends"}}[name]
 
 
 def test_table_axes_cover_every_value():
@@ -117,7 +128,8 @@ def _launcher_calls(monkeypatch, int64):
         monkeypatch.setattr(routing, name, _Recorder(name, calls))
     if int64:
         monkeypatch.setattr(routing, "_INT32_LIMIT", 1)  # every tensor counts as huge
-    routing.clear_plans()  # (plans made before the limit changed)
+    monkeypatch.setattr(devices, "target", lambda device: "npu")  # the launchers choose NPU tiles
+    routing.clear_plans()  # (plans made before the limit or the target changed)
     tokens = 4
     # every row-gather launcher of the module (gather_rows, and gather_tokens_rows where it exists)
     gathers = [getattr(routing, n) for n in ("gather_rows", "gather_tokens_rows") if hasattr(routing, n)]
@@ -132,23 +144,21 @@ def _launcher_calls(monkeypatch, int64):
                 w = torch.ones(n, dtype=dtype)
                 y = torch.zeros(n, hidden, dtype=dtype)
                 s2r = torch.arange(n, dtype=torch.int32)
-                tiles = {k: devices.tile(k, dtype, hidden, "npu") for k in ("gather", "scatter", "wgrad")}
+                # each launcher picks its tile itself, as on an NPU (devices.target is "npu" here)
                 for weights in (None, w):
                     for layout in lowering.LAYOUTS:
                         for launcher in gathers:
                             launcher(x, indices, bins, bins, weights, layout=layout, num_rows=n, top_k=top_k,
-                                     capacity=n, tile=tiles["gather"], num_programs=1)
-                    routing.scatter_rows(y, s2r, weights, num_tokens=tokens, top_k=top_k,
-                                         tile=tiles["scatter"], num_programs=1)
+                                     capacity=n, num_programs=1)
+                    routing.scatter_rows(y, s2r, weights, num_tokens=tokens, top_k=top_k, num_programs=1)
                     for layout in lowering.LAYOUTS:
                         if top_k == 1:
                             routing.scatter_one_rows(y, indices, bins, bins, weights, layout=layout, capacity=n,
-                                                     tile=tiles["gather"], num_programs=1)
-                routing.wgrad_rows(y, x, s2r, top_k=top_k, tile=tiles["wgrad"], num_programs=1)
+                                                     num_programs=1)
+                routing.wgrad_rows(y, x, s2r, top_k=top_k, num_programs=1)
                 if top_k == 1:
                     for layout in lowering.LAYOUTS:
-                        routing.wgrad_one_rows(y, x, indices, bins, bins, layout=layout, capacity=n,
-                                               tile=tiles["wgrad"], num_programs=1)
+                        routing.wgrad_one_rows(y, x, indices, bins, bins, layout=layout, capacity=n, num_programs=1)
                 yield dname, hidden, calls
                 calls.clear()
     for layout in lowering.LAYOUTS:
@@ -351,7 +361,7 @@ def test_format_table_has_a_cube_table():
     lines = text.splitlines()
     assert lines[-1] == "lowered: 2/2"
     head = next(line for line in lines if line.startswith("kernel") and "matmul" in line)
-    assert "L0C bytes" in head and "tile DMA" in head
+    assert "L0C model" in head and "L0C planned" in head and "tile DMA" in head
     assert any(line.startswith("_dsd") and "131072" in line and "98304" in line for line in lines)
 
 
@@ -523,7 +533,7 @@ def test_format_table_last_line_and_failures():
     lines = text.splitlines()
     assert lines[-1] == "lowered: 1/2"
     assert lines[0].split()[:3] == ["kernel", "configuration", "status"]
-    assert "UB bytes" in lines[0] and "row DMA" in lines[0] and "scalar/hot" in lines[0]
+    assert "UB model" in lines[0] and "row DMA" in lines[0] and "scalar/hot" in lines[0]
     assert any(line.startswith("  _gather [fp16 H=1000]: NameError: DROPLESS") for line in lines)
     assert any(line.split()[0] == "_scatter" and "98624" in line for line in lines[2:])
 
@@ -598,3 +608,24 @@ def test_tool_crashes_are_retried_and_reported_but_compile_errors_are_not():
     assert always.calls == lowering.TOOL_CRASH_RETRIES + 1
     text = lowering.format_table([_result("_scatter", "ok", tool_crashes=1)])
     assert "tool crashes retried" in text and text.splitlines()[-1] == "lowered: 1/1"
+
+
+@pytest.mark.parametrize("int64", [False, True])
+def test_fill_table_covers_every_launch(monkeypatch, int64):
+    """The zero fill of empty groups: every constexpr combination its launcher passes with an NPU's
+    tile, at the table's group sizes, is in the table."""
+    table = {(c.axes["dtype"], c.axes["hidden"]): c.constexprs for c in lowering.configs(lowering.GROUPED_KERNELS)
+             if c.axes["INT64"] is int64}
+    calls = []
+    monkeypatch.setattr(grouped, "_zero_empty_groups", _Recorder("_zero_empty_groups", calls))
+    if int64:
+        monkeypatch.setattr(grouped, "_INT32_LIMIT", 1)
+    for dname, (_, tname, _) in lowering.DTYPES.items():
+        dtype = getattr(torch, tname)
+        for hidden in lowering.HIDDEN_SIZES:
+            out = torch.empty(2, lowering.FILL_ROWS, hidden, dtype=dtype)
+            grouped.zero_empty_groups(out, torch.tensor([0, 5]), block=devices.fill_block(dtype, "npu"),
+                                      num_programs=1)
+            (_, kwargs), = calls
+            calls.clear()
+            assert kwargs == table[(dname, hidden)], (dname, hidden)

@@ -195,6 +195,32 @@ def test_cumsum_2d(dtype, exclusive):
 
 
 @pytest.mark.parametrize("exclusive", [False, True])
+def test_cumsum_in_place(exclusive):
+    """``out`` may be ``x`` itself (CUB's scans allow it): the result is the scan of ``x`` as it
+    was before the call, not of values the scan has already overwritten."""
+    x = torch.randint(-50, 100, (2, 29), generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    want = cumsum_loop(x.tolist(), exclusive)
+    fn = native.exclusive_cumsum if exclusive else native.inclusive_cumsum
+    y = x.clone()
+    fn(x, 1, x)
+    assert x.tolist() == want
+
+    def in_place(t):  # traced: storage cannot be asked for there, aliasing is assumed
+        fn(t, 1, t)
+        return t
+
+    assert torch.compile(in_place, fullgraph=True)(y).tolist() == want
+
+
+def test_cumsum_out_of_another_shape_is_refused():
+    x = torch.ones(2, 3, dtype=torch.int32)
+    out = torch.full((2, 4), 7, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'out' must have the shape of 'x'"):
+        native.inclusive_cumsum(x, 1, out)
+    assert out.eq(7).all()  # untouched
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
 def test_cumsum_1d_through_megablocks(exclusive):
     """megablocks.ops.*_cumsum(x, 0) on a 1-D tensor: viewed as one row, then squeezed
     (a single expert gives a 0-d tensor, which MegaBlocks' layers promote back to 1-D)."""
@@ -249,6 +275,19 @@ def test_indices(padded_bins, block_size, rows, columns):
     if padded_bins[-1] // block_size == rows:
         # MegaBlocks' wrapper starts from torch.empty: compare only when every row is written.
         assert mb_ops.topology(pb, block_size, rows, columns).tolist() == expected
+
+
+def test_indices_traces_under_compile():
+    """The sparse dMoE's topology under torch.compile: the same values, rows past the bins kept."""
+    pb = torch.tensor([4, 4, 12, 20, 20], dtype=torch.int32)
+
+    def topology(padded_bins, out):
+        native.indices(padded_bins, 4, 6, 3, out)
+        return out
+
+    want = indices_loop(pb.tolist(), 4, 6, 3, [-7] * 18)
+    got = torch.compile(topology, fullgraph=True)(pb, torch.full((18,), -7, dtype=torch.int16))
+    assert got.tolist() == want
 
 
 def test_indices_match_dmoe_topology_shape():

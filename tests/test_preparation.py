@@ -591,7 +591,7 @@ def test_preparation_property(experts, tokens, top_k, invalid, dtype, block, blo
 def test_selftest_checks_the_preparation(monkeypatch):
     """``python -m megablocks_ascend selftest`` (the first thing to run on an NPU) compares the
     preparation and the stand-in's sort and histogram with the references, and notices a wrong one."""
-    from megablocks_ascend import selftest
+    from megablocks_ascend.cli import selftest
     gen = torch.Generator().manual_seed(0)
     checked = selftest._preparation(40, 6, 2, 20, torch.device("cpu"), gen)
     assert [name for name, _, _ in checked] == ["prepare_routing[dropless]", "prepare_routing[padded]",

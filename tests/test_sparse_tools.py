@@ -55,7 +55,7 @@ def test_selftest_checks_the_block_sparse_kernels(monkeypatch, capsys):
     calls too, and fails when one of our block-sparse kernels is wrong."""
     import torch
 
-    from megablocks_ascend import selftest
+    from megablocks_ascend.cli import selftest
     from megablocks_ascend.kernels import blocksparse
 
     original = blocksparse.dsd

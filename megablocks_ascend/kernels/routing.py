@@ -527,8 +527,14 @@ def _needs_int64(*numels: int) -> bool:
     return max(numels) >= _INT32_LIMIT
 
 
-def _tile(kind, dtype, hidden, device, tile):
-    return tile if tile is not None else devices.tile(kind, dtype, hidden, devices.target(device))
+def _tile(kind, dtype, hidden, device, tile, *, top_k=1, bins=None):
+    """The launcher's tile: ``tile`` if given, else the device's. On an NPU it also depends on the
+    expert count (``bins``) and, for the kernels that unroll their top_k slots (the token-major
+    gather and scatter), on ``top_k``: the Unified Buffer plan grows with both (``devices.ub_bytes``)."""
+    if tile is not None:
+        return tile
+    experts = bins.shape[0] if bins is not None else 1
+    return devices.tile(kind, dtype, hidden, devices.target(device), top_k=top_k, num_experts=experts)
 
 
 def _grid(device, work: int, num_programs):
@@ -552,7 +558,7 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
     experts = bins.shape[0]
 
     def plan():
-        t = _tile("gather", x.dtype, hidden, device, tile)
+        t = _tile("gather", x.dtype, hidden, device, tile, bins=bins)
         return _grid(device, _cdiv(num_rows, t.block_m), num_programs), _row_meta(
             t, hidden, LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
             INT64=_needs_int64(tokens * hidden, num_rows * hidden), BLOCK_E=devices.block_e(experts))
@@ -581,7 +587,7 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
     experts = bins.shape[0]
 
     def plan():
-        t = _tile("gather", x.dtype, hidden, device, tile)
+        t = _tile("gather", x.dtype, hidden, device, tile, top_k=top_k, bins=bins)
         walk = _walk_blocks(num_rows, t.block_m, experts) if layout != DROPLESS else 0
         return _grid(device, max(_cdiv(tokens, t.block_m), walk), num_programs), _row_meta(
             t, hidden, LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
@@ -717,7 +723,7 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
         return out
 
     def plan():
-        t = _tile("scatter", y.dtype, hidden, device, tile)
+        t = _tile("scatter", y.dtype, hidden, device, tile, top_k=top_k)
         return _grid(device, _cdiv(num_tokens, t.block_m), num_programs), _row_meta(
             t, hidden, TOP_K=top_k, SCALE=weights is not None,
             INT64=_needs_int64(rows * hidden, num_tokens * hidden))
@@ -744,7 +750,7 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
     experts = bins.shape[0]
 
     def plan():
-        t = _tile("gather", y.dtype, hidden, device, tile)
+        t = _tile("gather", y.dtype, hidden, device, tile, bins=bins)
         return _grid(device, _walk_blocks(n, t.block_m, experts), num_programs), _row_meta(
             t, hidden, LAYOUT=layout, SCALE=weights is not None,
             INT64=_needs_int64(rows * hidden, (n + 1) * hidden), BLOCK_E=devices.block_e(experts))
@@ -809,7 +815,7 @@ def wgrad_one_rows(y, grad, indices, bins, padded_bins, *, layout, capacity=0, t
     grad_numel = grad.numel()
 
     def plan():
-        t = _tile("wgrad" if layout == DROPLESS else "wgrad_walk", y.dtype, hidden, device, tile)
+        t = _tile("wgrad" if layout == DROPLESS else "wgrad_walk", y.dtype, hidden, device, tile, bins=bins)
         return _grid(device, _walk_blocks(n, t.block_m, experts), num_programs), _row_meta(
             t, hidden, LAYOUT=layout, INT64=_needs_int64(rows * hidden, grad_numel), BLOCK_E=devices.block_e(experts))
 

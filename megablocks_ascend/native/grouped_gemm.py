@@ -115,6 +115,13 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 _NPU_MAX_GROUPS = 1024
 _NPU_INNER_LIMIT = 65536
 _NPU_DTYPES = (torch.float16, torch.bfloat16)
+# torch_npu 2.7.1's docs of npu_grouped_matmul list float32 x/weight/y too, on Atlas A2 training
+# products (Ascend 910B), for the non-quantized single-tensor forms with a tensor group_list.
+_NPU_A2_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# torch._grouped_mm's CUTLASS kernel (CUDA SM90/SM100) refuses 1024 groups or more
+# (TORCH_CHECK(group_count < 1024) in aten/src/ATen/native/cuda/GroupMM.cu).
+_CUDA_FAST_MAX_GROUPS = 1023
 
 _INT32_MAX = 2**31 - 1
 
@@ -332,15 +339,36 @@ def _grouped_mm_usable(a, b, batch_sizes, trans_a, trans_b) -> bool:
     mat_a, mat_b = _grouped_mm_operands(a, b, trans_a, trans_b)
     if not (_grouped_mm_strides_ok(mat_a) and _grouped_mm_strides_ok(mat_b)):
         return False
+    if a.device.type == 'cuda':
+        n_groups = batch_sizes.shape[0] if batch_sizes is not None else (None if trans_a else b.shape[0])
+        if n_groups is not None and n_groups > _CUDA_FAST_MAX_GROUPS \
+                and _cuda_fast_grouped_mm(_device_index(a.device)):
+            return False
+        if trans_a and (mat_a.stride(-1) == 1 or mat_b.stride(-1) != 1):
+            # The CUTLASS kernel takes an empty K-group only with mat_a column-major and mat_b
+            # row-major (a and b row-major); in its other layouts an empty group trips a device-side
+            # assert (prepare_grouped_gemm_data in GroupMMCommon.cuh: "CUTLASS cannot handle delta=0").
+            return False
     # The output's last dim must be 16-byte aligned too, or torch pads its
     # stride and hands back a non-contiguous tensor; keep it simple.
     n_out = b.shape[1] if (trans_a or trans_b) else b.shape[2]
     return n_out % (16 // a.element_size()) == 0
 
 
+def _npu_dtype_ok(dtype, device) -> bool:
+    """Whether npu_grouped_matmul's documentation lists ``dtype`` operands for our forms on
+    ``device``: fp16/bf16 everywhere, fp32 on Atlas A2 (Ascend 910B) only."""
+    if dtype in _NPU_DTYPES:
+        return True
+    if dtype in _NPU_A2_DTYPES:
+        from megablocks_ascend import devices  # noqa: PLC0415  (lazy: this module loads on its own)
+        return devices.is_atlas_a2(device)
+    return False
+
+
 def _npu_usable(a, b, batch_sizes, trans_a, trans_b) -> bool:
-    if a.dtype not in _NPU_DTYPES:
-        return False                      # fp32/fp64 -> loop (see _gmm_npu docstring)
+    if not _npu_dtype_ok(a.dtype, a.device):
+        return False                      # fp64; fp32 off Atlas A2 -> loop (see _gmm_npu docstring)
     try:
         import torch_npu  # noqa: F401  (lazy: only reached for NPU tensors)
     except ImportError:
@@ -355,8 +383,8 @@ def _npu_usable(a, b, batch_sizes, trans_a, trans_b) -> bool:
         return False
     n_groups = batch_sizes.shape[0] if batch_sizes is not None else (
         None if trans_a else b.shape[0])
-    if n_groups is not None and not (1 <= n_groups <= _NPU_MAX_GROUPS):
-        return False
+    if n_groups is not None and not (2 <= n_groups <= _NPU_MAX_GROUPS):
+        return False                      # a group_list of counts "cannot have length 1" (docs)
     inner = (a.shape[1], b.shape[1]) if trans_a else (a.shape[1], *b.shape[1:])
     return max(inner) < _NPU_INNER_LIMIT
 
@@ -378,24 +406,29 @@ def takes_device_sizes(device: torch.device, dtype: torch.dtype, dims: tuple, gr
     non-grouped dimensions ``dims`` (hidden and FFN sizes).
 
     True where the call would go to an implementation that reads the offsets on the device:
-    ``torch._grouped_mm``'s fused kernel (CUDA SM90/SM100, bf16; the CPU kernel of torch >= 2.9,
-    bf16/fp16/fp32) or ``npu_grouped_matmul`` (fp16/bf16; not run on an NPU). Per-call facts
-    that are not known here (an operand's data pointer alignment) can still send a single call
-    to the loop, which then reads the sizes (correct, with a sync).
+    ``torch._grouped_mm``'s fused kernel (CUDA SM90/SM100, bf16, fewer than 1024 groups; the CPU
+    kernel of torch >= 2.9, bf16/fp16/fp32) or ``npu_grouped_matmul`` (fp16/bf16, and fp32 on
+    Atlas A2; not run on an NPU), with, on an accelerator, the weight gradient's empty groups
+    zeroed by our Triton kernel (:func:`megablocks_ascend.kernels.grouped.zero_empty_groups`), so
+    Triton must run there (triton-ascend on an NPU). Per-call facts that are not known here (an
+    operand's data pointer alignment) can still send a single call to the loop, which then reads
+    the sizes (correct, with a sync).
     """
     dims = tuple(int(d) for d in dims)
     if not dims or min(dims) <= 0 or groups < 1:
         return False
     if device.type == 'npu':
-        if dtype not in _NPU_DTYPES or groups > _NPU_MAX_GROUPS or max(dims) >= _NPU_INNER_LIMIT:
+        if not _npu_dtype_ok(dtype, device) or not 2 <= groups <= _NPU_MAX_GROUPS \
+                or max(dims) >= _NPU_INNER_LIMIT:
             return False
         try:
             import torch_npu  # noqa: F401,PLC0415  (only reached for NPU tensors)
         except ImportError:
             return False
-        return hasattr(torch_npu, 'npu_grouped_matmul')
+        return hasattr(torch_npu, 'npu_grouped_matmul') and _fill_kernel_runs(device)
     if device.type == 'cuda':
-        if dtype != torch.bfloat16 or not _cuda_fast_grouped_mm(_device_index(device)):
+        if dtype != torch.bfloat16 or not _cuda_fast_grouped_mm(_device_index(device)) \
+                or groups > _CUDA_FAST_MAX_GROUPS:
             return False
     elif device.type == 'cpu':
         if dtype not in _CPU_GROUPED_MM_DTYPES or not _cpu_supports_grouped_mm():
@@ -446,10 +479,72 @@ def _gmm_loop(a, b, sizes, trans_a, trans_b, c):
     return c
 
 
-def _zero_empty_groups(out, sizes):
-    empty = [g for g, n in enumerate(sizes) if n == 0]
-    if empty:
-        out[empty] = 0
+# --------------------------------------------------------------------------
+# Empty groups of the K-grouped form (trans_a: the weight gradients)
+# --------------------------------------------------------------------------
+#
+# ``out[g] = a_g.T @ b_g`` over a group without rows is a zero block, and an expert that received
+# no tokens has exactly that weight gradient. Whether a kernel writes it (docs/notes/grouped-gemm.md
+# has the evidence):
+#
+# * torch._grouped_mm on CPU (torch >= 2.9): yes. Its CPU kernel is ``_grouped_mm_fallback``
+#   (ATen/native/GroupedMMUtils.h), one ``at::mm_out`` per group, and ``mm_out`` with an empty
+#   inner dimension zero-fills its output; the tests check it on the torch they run with.
+# * torch._grouped_mm on CUDA (the CUTLASS kernel): not established. A K = 0 tile leaves the
+#   accumulator unwritten in CUTLASS's SM100 kernel (NVIDIA/cutlass#2674, fixed upstream in
+#   cutlass#2746, wrong gradients reported on B200 in pytorch/pytorch#172439, still open); its SM90
+#   mainloop asserts k_tile_count >= 1, an assert compiled out of release builds. Guarded;
+#   benchmarks/check_grouped_mm_empty.py checks a GPU.
+# * npu_grouped_matmul (group_type=2): its documentation says nothing about empty groups. Guarded.
+# * the loop: zeroes them itself.
+#
+# The guard touches the empty groups only: on the host sizes, one zero fill per empty group; on the
+# device sizes, kernels/grouped.py's zero_empty_groups (no host read, a fixed grid).
+
+# Benchmarks only (bench_steps.py --wgrad-fill full): the guard of earlier versions, a masked fill
+# that reads and writes the whole [E, M, N] result, for before/after timings in one run.
+_legacy_full_fill = False
+
+
+def _grouped_mm_writes_empty_groups(device: torch.device) -> bool:
+    """Whether torch._grouped_mm is known to write zeros for the empty groups of the K-grouped
+    form on ``device`` (see above): on the CPU only."""
+    return device.type == 'cpu'
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_kernel_runs_on(device_type: str) -> bool:
+    from megablocks_ascend import compat  # noqa: PLC0415  (lazy: imports triton)
+    if device_type == 'npu':
+        return compat.is_triton_ascend()
+    if device_type == 'cpu':
+        return compat.interpreter_active()
+    return device_type == 'cuda'
+
+
+def _fill_kernel_runs(device: torch.device) -> bool:
+    """Whether our Triton zero fill of empty groups can run on ``device`` (triton-ascend on an
+    NPU, Triton on CUDA, the interpreter for CPU tensors)."""
+    if device.type == 'cpu':
+        from megablocks_ascend import compat  # noqa: PLC0415  (not cached: it can turn on later)
+        return compat.interpreter_active()
+    return _fill_kernel_runs_on(device.type)
+
+
+def _zero_empty_host(out, sizes):
+    """Zero the blocks of the empty groups, known on the host: one fill per empty group."""
+    for g, n in enumerate(sizes):
+        if n == 0:
+            out[g].zero_()
+
+
+def _zero_empty_device(out, groups):
+    """Zero the blocks of the empty groups of :class:`_DeviceGroups` ``groups`` on the device."""
+    if _legacy_full_fill:
+        out.masked_fill_(groups.empty, 0)
+        return
+    from megablocks_ascend.kernels import grouped  # noqa: PLC0415  (lazy: imports triton)
+    grouped.zero_empty_groups(out, groups.ends)
 
 
 # --------------------------------------------------------------------------
@@ -560,22 +655,23 @@ def _gmm_grouped_mm(a, b, batch_sizes, sizes, trans_a, trans_b, c):
     2.9, SM90/SM100 only on torch 2.8.  Calls that miss any of this are routed
     to the loop by ``_grouped_mm_usable``.
 
-    For trans_a, groups with zero rows are explicitly zeroed afterwards:
-    upstream has reported wrong (non-zero) results for empty K-groups on some
-    GPUs (pytorch/pytorch#172439), and it costs one small indexed fill.
+    For trans_a on an accelerator, the blocks of groups with zero rows are zeroed afterwards, and
+    nothing else is touched (see "Empty groups of the K-grouped form" above): whether the CUDA
+    kernel writes them is not established (pytorch/pytorch#172439). torch's CPU kernel writes them.
     """
     mat_a, mat_b = _grouped_mm_operands(a, b, trans_a, trans_b)
+    guard = trans_a and not _grouped_mm_writes_empty_groups(a.device)
     if sizes is None:
         groups = _device_groups(batch_sizes, a.shape[0])
         out = torch._grouped_mm(mat_a, mat_b, offs=groups.offsets)
-        if trans_a:
-            out.masked_fill_(groups.empty, 0)
+        if guard:
+            _zero_empty_device(out, groups)
         return _finish(out, c)
     offs = torch.cumsum(batch_sizes.to(torch.int64), 0).to(dtype=torch.int32)
     offs = offs.to(device=a.device, non_blocking=True)
     out = torch._grouped_mm(mat_a, mat_b, offs=offs)
-    if trans_a:
-        _zero_empty_groups(out, sizes)
+    if guard:
+        _zero_empty_host(out, sizes)
     return _finish(out, c)
 
 
@@ -612,11 +708,16 @@ def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
       gradient.  This is the least-documented part of this branch.)
 
     Needs a torch_npu whose ``npu_grouped_matmul`` accepts ``group_type`` and
-    ``group_list_type`` (older releases do not).  fp16/bf16 only here: the docs
-    allow fp32 only in some layouts and not on every product, so fp32/fp64 go
-    to the loop.  At most 1024 groups, inner dims < 65536 (else: loop).
-    Empty K-groups are zeroed explicitly, as the docs do not say what the
-    kernel writes for them.
+    ``group_list_type`` (older releases do not).  Between 2 and 1024 groups: the
+    docs refuse a ``group_list`` of counts of length 1, and allow at most 1024
+    groups.  fp16 and bf16; fp32 on Atlas A2
+    (Ascend 910B) only, where torch_npu 2.7.1's documentation lists float32
+    x/weight/y for the non-quantized single-tensor forms with a tensor
+    ``group_list`` (and CANN's aclnnGroupedMatmulV3 page: "x, weight, y single
+    tensors, non-quantized: float32 supported"); fp32 elsewhere and fp64 go to
+    the loop.  Inner dims < 65536 (else: loop).  Empty K-groups are zeroed
+    explicitly (only their blocks), as the docs do not say what the kernel
+    writes for them.
     """
     import torch_npu  # lazy: only importable on Ascend machines
 
@@ -632,9 +733,9 @@ def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
             [x], [w], group_list=group_list, split_item=3,
             group_type=2, group_list_type=1)[0]
         if groups is not None:
-            out.masked_fill_(groups.empty, 0)
+            _zero_empty_device(out, groups)
         else:
-            _zero_empty_groups(out, sizes)
+            _zero_empty_host(out, sizes)
     else:
         x = a.contiguous()
         w = b.contiguous()
@@ -704,11 +805,23 @@ def gmm(a, b, batch_sizes, trans_a=False, trans_b=False, c=None):
     return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c)
 
 
+def _reads_device_sizes(impl, a, trans_a) -> bool:
+    """Whether ``impl`` computes the call from device-resident group sizes without a host read:
+    the kernels that take device offsets, provided that where the K-grouped form needs its empty
+    groups zeroed, our fill kernel can run on the device."""
+    if impl == IMPL_LOOP:
+        return False
+    if trans_a and (impl == IMPL_NPU or not _grouped_mm_writes_empty_groups(a.device)):
+        return _fill_kernel_runs(a.device)
+    return True
+
+
 def _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c):
     _validate(a, b, batch_sizes, trans_a, trans_b, c)
     impl = _select_impl(a, b, batch_sizes, trans_a, trans_b)
     rows = a.shape[0]
-    if _device_sizes(batch_sizes, a) and (impl != IMPL_LOOP or a.numel() == 0 or b.numel() == 0):
+    if _device_sizes(batch_sizes, a) and (a.numel() == 0 or b.numel() == 0
+                                          or _reads_device_sizes(impl, a, trans_a)):
         # Device sizes, and an implementation (or an empty problem) that needs no host read.
         if _value_checks_enabled():
             _host_sizes(batch_sizes, rows)  # the checks only; the kernels keep the device sizes
@@ -719,9 +832,10 @@ def _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c):
         if sizes is None and (a.numel() == 0 or b.numel() == 0):
             # An empty operand: every block is an empty sum (or the result is empty), whatever
             # the group sizes are, so they need not be read.
-            out = torch.zeros(_output_shape(a, b, batch_sizes.shape[0], trans_a, trans_b),
-                              dtype=a.dtype, device=a.device)
-            return _finish(out, c)
+            if c is not None:
+                return c.zero_()
+            return torch.zeros(_output_shape(a, b, batch_sizes.shape[0], trans_a, trans_b),
+                               dtype=a.dtype, device=a.device)
         if impl == IMPL_NPU:
             return _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c)
         if impl == IMPL_GROUPED_MM:

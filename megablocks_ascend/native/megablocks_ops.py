@@ -87,15 +87,31 @@ def histogram(x: torch.Tensor, max_val: int) -> torch.Tensor:
     return out.flatten() if x.ndim == 1 else out
 
 
+def _may_alias(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share storage; always assumed under ``torch.compile``, where storage
+    cannot be asked for (and inductor fuses the extra copy anyway)."""
+    if torch.compiler.is_compiling():
+        return True
+    return bool(a.numel() and b.numel()) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _cumsum(x, dim, out, exclusive):
     _check("x", x, 2)
     _check("out", out, 2, (x.dtype,))
     if dim != 1:
         raise ValueError(f"megablocks_ops: cumsum supports only dim=1 (the contiguous one), got {dim}")
-    total = torch.cumsum(x, dim=1, dtype=x.dtype)
+    if out.shape != x.shape:
+        raise ValueError(f"megablocks_ops: 'out' must have the shape of 'x' {tuple(x.shape)}, got {tuple(out.shape)}")
+    if _may_alias(x, out):
+        # In place (CUB's scans allow it): through a temporary, as the scan reads what it writes.
+        total = torch.cumsum(x, dim=1, dtype=x.dtype)
+        out.copy_(total - x if exclusive else total)
+        return
+    # One launch for the inclusive scan, written straight into the caller's buffer (MegaBlocks
+    # hands an empty one); the exclusive scan subtracts the input in place: two.
+    torch.cumsum(x, dim=1, dtype=x.dtype, out=out)
     if exclusive:
-        total = total - x
-    out.copy_(total)
+        out.sub_(x)
 
 
 def inclusive_cumsum(x: torch.Tensor, dim: int, out: torch.Tensor) -> None:
@@ -115,16 +131,19 @@ def indices(padded_bins: torch.Tensor, block_size: int, output_block_rows: int,
     if out.numel() != output_block_rows * output_block_columns:
         raise ValueError("megablocks_ops.indices: 'out' must have output_block_rows * output_block_columns elements")
     # No branch on the sizes and no boolean indexing: the sparse dMoE's row count is data-dependent,
-    # and this must trace under torch.compile (empty tensors need no special case).
-    block_ends = padded_bins.long() // block_size
-    rows = torch.arange(output_block_rows, device=out.device)
-    expert = torch.searchsorted(block_ends, rows, right=True)
-    cols = torch.arange(output_block_columns, device=out.device)
-    values = expert[:, None] * output_block_columns + cols[None, :]
+    # and this must trace under torch.compile (empty tensors need no special case). Seven launches:
+    # int32 indices (no int64 casts), the product and sum in one add that stores int16 (what the
+    # cast did), and the select written straight into ``out``.
+    block_ends = padded_bins.div(block_size, rounding_mode="floor")  # padded_bins >= 0
+    rows = torch.arange(output_block_rows, dtype=torch.int32, device=out.device)
+    expert = torch.searchsorted(block_ends, rows, right=True, out_int32=True)
+    cols = torch.arange(output_block_columns, dtype=torch.int32, device=out.device)
+    values = torch.empty((output_block_rows, output_block_columns), dtype=torch.int16, device=out.device)
+    torch.add(cols[None, :], expert[:, None], alpha=output_block_columns, out=values)
     # Rows past the last expert's blocks are never written by the CUDA kernel; keep them as they are.
     covered = (expert < padded_bins.numel())[:, None]
     view = out.view(output_block_rows, output_block_columns)
-    view.copy_(torch.where(covered, values.to(torch.int16), view))
+    torch.where(covered, values, view, out=view)
 
 
 def replicate_forward(x: torch.Tensor, bins: torch.Tensor, out: torch.Tensor) -> None:
@@ -152,4 +171,4 @@ def replicate_backward(grad: torch.Tensor, bins: torch.Tensor, out: torch.Tensor
                                     output_size=grad.shape[1])
     acc = torch.zeros(out.shape, dtype=torch.float32, device=grad.device)
     acc.index_add_(1, owner, grad.float())
-    out.copy_(acc.to(out.dtype))
+    out.copy_(acc)  # copy_ casts: no separate cast launch

@@ -48,6 +48,8 @@ ORDER = (
     "triton_interpreter_index",
     "resolve_dtensor",
     "grouped_mlp_device_sizes",
+    "shared_expert_bias",
+    "llmfoundry_device_mesh",
     "routing_preparation",
 )
 
@@ -56,6 +58,7 @@ PATCHES: tuple[Patch, ...] = tuple(module.PATCH for module in MODULES)
 
 REGISTRY = Registry(PATCHES)
 install = REGISTRY.install
+install_before_import = REGISTRY.install_before_import
 uninstall = REGISTRY.uninstall
 installed = REGISTRY.installed
 
@@ -71,6 +74,7 @@ __all__ = [
     "REGISTRY",
     "default_device",
     "install",
+    "install_before_import",
     "installed",
     "uninstall",
 ]

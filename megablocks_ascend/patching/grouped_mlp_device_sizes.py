@@ -1,14 +1,17 @@
 """The ``grouped-mlp-device-sizes`` patch (page: ``patches/grouped-mlp-device-sizes.md``):
 ``GroupedMLP.forward`` and ``GroupedGLU.forward`` hand ``tokens_per_expert`` to the grouped GEMMs on
 the device where every GEMM of the step takes device sizes (:func:`expert_batch_sizes`), instead of
-copying it to the host on every step; the rest of each forward is upstream's code, whose
-fingerprint the patch checks.
+copying it to the host on every step; with ``memory_optimized_mlp`` they call the memory-optimized
+functions of :mod:`megablocks_ascend.grouped_mlp` (upstream's, without copying the stand-in's
+results into reused buffers); the rest of each forward is upstream's code. The patch checks the
+fingerprint of every upstream body it replaces or follows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megablocks_ascend import grouped_mlp
 from megablocks_ascend.patching.registry import Patch, PatchError, expect_params, expect_source, owner
 
 
@@ -55,7 +58,7 @@ def _grouped_mlp_forward(self, x, tokens_per_expert):
     w2 = mlp.resolve_dtensor(w2).view(ne, -1, self.args.hidden_size)
 
     if self.args.memory_optimized_mlp:
-        return mlp.memory_optimized_grouped_mlp(x, w1, w2, batch_sizes, self.args.activation_fn)
+        return grouped_mlp.memory_optimized_grouped_mlp(x, w1, w2, batch_sizes, self.args.activation_fn)
 
     # Compute the MLP.
     assert gg.ops is not None
@@ -80,7 +83,7 @@ def _grouped_glu_forward(self, x, tokens_per_expert):
     w2 = w2.view(ne, -1, self.args.hidden_size)
 
     if self.args.memory_optimized_mlp:
-        return glu.memory_optimized_grouped_glu(x, w1, v1, w2, batch_sizes, self.args.activation_fn)
+        return grouped_mlp.memory_optimized_grouped_glu(x, w1, v1, w2, batch_sizes, self.args.activation_fn)
 
     # Compute the MLP.
     assert gg.ops is not None
@@ -102,6 +105,13 @@ def apply(p: Patch) -> None:
     if not getattr(gg.backend, "__megablocks_ascend_standin__", False):
         return  # the real grouped_gemm package takes CPU sizes only: leave upstream's forwards alone
     torch.compiler.assume_constant_result(_device_sizes_decision)  # marks the function itself
+    for target, fingerprint in grouped_mlp.UPSTREAM.items():  # followed by grouped_mlp's functions
+        cls, attr = owner(target)
+        method = cls.__dict__.get(attr)
+        if method is None:
+            raise PatchError(f"{target} is missing")
+        expect_source(target, grouped_mlp._inner(method), fingerprint)
+    grouped_mlp.bind()
     for target, (replacement, fingerprint) in GROUPED_FORWARDS.items():
         cls, attr = owner(target)
         original = cls.__dict__.get(attr)
@@ -124,8 +134,11 @@ PATCH = Patch(
         "takes the sizes on the device (grouped_gemm.takes_device_sizes: torch._grouped_mm's "
         "fused CUDA kernel or its CPU kernel, npu_grouped_matmul), both forwards pass "
         "tokens_per_expert on as it is; everywhere else they copy it to the host exactly as "
-        "upstream does. The rest of each forward, the memory-optimized variants included, is "
-        "upstream's code; the patch refuses to install over a changed upstream body.",
+        "upstream does. With memory_optimized_mlp they call megablocks_ascend.grouped_mlp's "
+        "memory-optimized MLP/GLU: upstream's forward, and upstream's backward with the grouped "
+        "GEMM's results used as returned instead of copied into reused buffers (the stand-in has "
+        "no out=). The rest of each forward is upstream's code; the patch refuses to install over "
+        "a changed upstream body.",
     upstream_fix="Pass tokens_per_expert to a grouped GEMM that takes device sizes "
                  "(torch._grouped_mm) instead of copying it to the host.",
     apply=apply,

@@ -98,24 +98,34 @@ class Registry:
         self._installed = False
 
     def install(self) -> None:
-        """Apply every patch, in order. Idempotent: a second call changes nothing. A patch that
-        fails, half-way or not, is rolled back with every patch applied before it."""
+        """Apply every patch, in order. Idempotent: a second call changes nothing; patches applied
+        already (:meth:`install_before_import`) are kept. If a patch fails, half-way or not, every
+        patch is taken back."""
         if self._installed:
             return
-        done = []
+        self._apply(self.patches)
+        self._installed = True
+
+    def install_before_import(self) -> None:
+        """Apply only the patches that need no MegaBlocks (``needs_megablocks=False``: stand-ins
+        for its native dependencies, Triton fixes), which MegaBlocks and stk need while they import;
+        :meth:`install` applies the rest. The autoload calls this when it finds MegaBlocks part-way
+        through its import (:mod:`megablocks_ascend.activation`)."""
+        self._apply(tuple(p for p in self.patches if not p.needs_megablocks))
+
+    def _apply(self, patches: tuple[Patch, ...]) -> None:
         try:
-            for patch in self.patches:
+            for patch in patches:
+                if patch.applied:
+                    continue
                 if patch.needs_megablocks and importlib.util.find_spec("megablocks") is None:
                     raise PatchError("MegaBlocks is not installed (pip install --no-deps megablocks==0.10.0; "
                                      "see the README)")
-                done.append(patch)  # before apply: a patch that fails half-way is rolled back too
                 patch.apply(patch)
                 patch.applied = True
         except BaseException:
-            for patch in reversed(done):
-                patch.revert()
+            self.uninstall()  # every patch, the one that failed half-way included
             raise
-        self._installed = True
 
     def uninstall(self) -> None:
         """Undo every patch, in reverse order, restoring each original object exactly."""

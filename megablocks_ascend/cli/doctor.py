@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import sys
 
 import torch
@@ -52,6 +53,7 @@ def report() -> list[str]:
                 fixes.append(why)
         lines.append(f"  {dev:5} {'present' if present else 'absent ':8} -> {chosen}{'  (' + why + ')' if why else ''}")
 
+    lines += [""] + activation_report()
     lines += ["", f"patches installed: {patching.installed()}"]
     for patch in patching.PATCHES:
         replaced = list(patch.originals)
@@ -67,8 +69,46 @@ def report() -> list[str]:
                      "pip install --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1")
     if devices["npu"] and not compat.is_triton_ascend():
         fixes.append("An NPU is present but triton is not triton-ascend: pip install triton-ascend==3.2.0")
+    lines += [""] + backend_compiler(fixes if compat.is_triton_ascend() else None)
     lines += ["", "to fix:" if fixes else "nothing to fix"] + [f"  - {f}" for f in fixes]
     del megablocks_ascend
+    return lines
+
+
+def backend_compiler(fixes: list | None) -> list[str]:
+    """Whether Huawei's back-end compiler (``bishengir-compile``) is here, which build, and where:
+    triton-ascend's npubin stage runs it from PATH (CANN puts it there); the compile gate also finds
+    the one in the ``ascendnpu-ir`` wheel. ``fixes``: where to add a fix when it is missing."""
+    import shutil  # noqa: PLC0415
+
+    from megablocks_ascend.cli import bishengir  # noqa: PLC0415
+    try:
+        found = bishengir.find_compiler("a2a3")
+    except bishengir.CompilerMissing:
+        if fixes is not None:
+            fixes.append(f"bishengir-compile is missing: triton-ascend needs it (CANN) to compile for an NPU; "
+                         f"the compile gate's back end needs pip install {bishengir.WHEEL}=={bishengir.WHEEL_PIN}")
+        return ["back-end compiler (bishengir-compile): not found"]
+    on_path = shutil.which("bishengir-compile")
+    where = "on PATH" if on_path else "not on PATH: triton-ascend's npubin stage will not find it; the compile gate does"
+    lines = [f"back-end compiler: {found.describe()} ({where})"]
+    lines.append("  hivmc (CANN, makes the binary): " + ("on PATH" if shutil.which("hivmc") else
+                                                         "not found: the gate stops at the hivmc handoff"))
+    return lines
+
+
+def activation_report() -> list[str]:
+    """How the plugin was switched on in this process, and what decides it (README, "Activation")."""
+    import _megablocks_ascend_autoload as hook  # noqa: PLC0415
+    ours = [ep for ep in importlib.metadata.entry_points(group="torch.backends") if ep.name == "megablocks_ascend"]
+    torch_autoload = os.environ.get(hook.TORCH_AUTOLOAD_VAR, "1") == "1"
+    lines = ["activation:",
+             f"  torch.backends entry point: {ours[0].value if ours else 'not registered (the package is on the path but not installed: pip install -e .)'}",
+             f"  torch's autoload: {'on' if torch_autoload else 'off'} ({hook.TORCH_AUTOLOAD_VAR}="
+             f"{os.environ.get(hook.TORCH_AUTOLOAD_VAR, 'unset')}); "
+             f"megablocks-ascend's: {'on' if hook.enabled() else 'off'} ({hook.AUTOLOAD_VAR}="
+             f"{os.environ.get(hook.AUTOLOAD_VAR, 'unset')})"]
+    lines += [f"  - {event}" for event in hook.events()]
     return lines
 
 

@@ -2,7 +2,8 @@
 
 ``python -m megablocks_ascend lower`` (in the lowering venv made by ``tools/ascend_lowering_env.sh``)
 runs triton-ascend's ``ttir`` and ``ttadapter`` stages for every kernel of
-:mod:`megablocks_ascend.kernels.routing` (vector kernels) and
+:mod:`megablocks_ascend.kernels.routing` and :mod:`megablocks_ascend.kernels.grouped` (vector
+kernels) and
 :mod:`megablocks_ascend.kernels.blocksparse` (cube kernels: ``tl.dot``) over a generated list of
 configurations, and reads the resulting Ascend linalg/HIVM IR for the kernel's memory pattern. It stops before ``npubin``
 (``bishengir-compile`` from CANN): see ``docs/notes/ascend-lowering.md`` for what that leaves
@@ -110,6 +111,7 @@ class KernelSpec:
     ptr_types: tuple = ()  # (argument, triton pointer type) of index pointers that are not *i32
     hot_step: str = "BLOCK_X"  # the constexpr stepping the loop analyze_ir calls hot
     no_scalar_hot: bool = False  # gated on scalar_hot == 0 although it moves no feature rows
+    unrolls_top_k: bool = False  # tl.static_range(TOP_K): its launcher passes top_k to devices.tile
 
 
 ROUTING_KERNELS = (
@@ -120,11 +122,11 @@ ROUTING_KERNELS = (
     KernelSpec("_gather_tokens", "gather",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, TOP_K=TOP_KS,
                     SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True, unrolls_top_k=True),
     KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False),
     KernelSpec("_scatter", "scatter",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "EVEN_X"), ("y", "out", "weights"), True),
+               ("BLOCK_M", "BLOCK_X", "EVEN_X"), ("y", "out", "weights"), True, unrolls_top_k=True),
     KernelSpec("_scatter_one", "gather",
                dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
                ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("y", "out", "weights"), True),
@@ -162,9 +164,10 @@ CUBE_KERNELS = (
 )
 # The routing preparation (kernels/preparation.py): a counting sort of expert ids. Keys are the
 # router's ids (int32 / int64) or, through the megablocks_ops stand-in, the sparse dMoE's int16 block
-# column indices; PLACE=0 is the stand-in's histogram. The tiles come from devices.prep_tile for
-# EXPERTS keys and a grid of PREP_PROGRAMS vector cores. Its scattered stores (a sort places each
-# item at a computed position) are per-element by nature: nothing is gated on them.
+# column indices; PLACE=0 is the stand-in's histogram. The tiles come from devices.prep_tile for the
+# problem's expert count (EXPERTS, or --experts) and a grid of PREP_PROGRAMS vector cores. Its
+# scattered stores (a sort places each item at a computed position) are per-element by nature:
+# nothing is gated on them.
 PREP_INDEX_TYPES = ("i16", "i32", "i64")
 PREP_PROGRAMS = 40  # the vector cores of an A2 (910B) device
 ROUTES = (-1, 0, 1, 2)  # preparation.NO_ROUTE, then routing.DROPLESS, PADDED, BINNED
@@ -174,7 +177,16 @@ PREPARATION_KERNELS = (
     KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=BOOLS, PADDED=BOOLS, ROUTE=ROUTES),
                ("BLOCK_M", "BLOCK_E", "BLOCK_P"), ("keys",), False, module="preparation", hot_step="BLOCK_M"),
 )
-KERNELS = ROUTING_KERNELS + PREPARATION_KERNELS + CUBE_KERNELS
+# The zero fill of the empty groups of a weight gradient (kernels/grouped.py): "hidden" is the
+# gradient's last dimension N, with M = FILL_ROWS rows per group (768 x 1024 is a whole number of
+# fill tiles, 768 x 1000 is not); ends int64, as the grouped GEMM stand-in passes them.
+FILL_ROWS = 768
+GROUPED_KERNELS = (
+    KernelSpec("_zero_empty_groups", None, dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES, INT64=BOOLS),
+               ("BLOCK", "EVEN"), ("out",), False, module="grouped", ptr_types=(("ends", "*i64"),),
+               hot_step="BLOCK", no_scalar_hot=True),
+)
+KERNELS = ROUTING_KERNELS + PREPARATION_KERNELS + CUBE_KERNELS + GROUPED_KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +195,10 @@ class Config:
     axes: dict  # the axis values of this configuration
     constexprs: dict  # every constexpr of the kernel
     scalars: dict  # the non-constexpr integer arguments
-    ub_bytes: int | None
+    ub_bytes: int | None  # devices.ub_bytes of a vector kernel's tile (the memory model)
     cube_bytes: dict | None = None  # devices.cube_bytes of a cube kernel's tile
+    experts: int = EXPERTS  # the problem's expert count (BLOCK_E)
+    overridden: tuple = ()  # constexprs set by hand (--set), not derived as a launcher would
 
     @property
     def label(self) -> str:
@@ -198,48 +212,71 @@ class Config:
                 parts.append(f"{k}={int(v)}")
             else:
                 parts.append(f"{k}={v}")
+        if self.experts != EXPERTS and "BLOCK_E" in self.constexprs:
+            parts.append(f"E={self.experts}")
         tiles = [f"{k}={self.constexprs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_X")
                  if k in self.constexprs]
         if "EVEN_X" in self.constexprs:
             tiles.append(f"EVEN_X={int(self.constexprs['EVEN_X'])}")
-        return " ".join(parts + tiles)
+        tiles += [f"{k}={_show(self.constexprs[k])}" for k in self.overridden
+                  if k not in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_X", "EVEN_X")]
+        return " ".join(parts + tiles) + (" (set by hand)" if self.overridden else "")
 
 
-def _scalars(spec: KernelSpec, axes: dict) -> dict:
+def _show(v):
+    return int(v) if isinstance(v, bool) else v
+
+
+def _scalars(spec: KernelSpec, axes: dict, experts: int = EXPERTS) -> dict:
     top_k = axes.get("TOP_K", 2)
     n = TOKENS * top_k
     layout = axes.get("LAYOUT", 0)
-    capacity = n // EXPERTS if layout == 2 else 0
-    num_rows = {0: n, 1: n + PADDED_EXTRA, 2: EXPERTS * capacity}[layout]
+    capacity = n // experts if layout == 2 else 0
+    num_rows = {0: n, 1: n + PADDED_EXTRA, 2: experts * capacity}[layout]
     hidden = axes.get("hidden", 0)
     if spec.name == "_gather":
-        return dict(num_rows=num_rows, num_positions=n, num_experts=EXPERTS, hidden=hidden, capacity=capacity)
+        return dict(num_rows=num_rows, num_positions=n, num_experts=experts, hidden=hidden, capacity=capacity)
     if spec.name == "_gather_tokens":
-        return dict(num_tokens=TOKENS, num_rows=num_rows, num_experts=EXPERTS, hidden=hidden, capacity=capacity)
+        return dict(num_tokens=TOKENS, num_rows=num_rows, num_experts=experts, hidden=hidden, capacity=capacity)
     if spec.name == "_route_map":
-        return dict(num_positions=n, num_experts=EXPERTS, capacity=capacity)
+        return dict(num_positions=n, num_experts=experts, capacity=capacity)
     if spec.name == "_scatter":
         return dict(num_tokens=TOKENS, num_rows=n, hidden=hidden)
     if spec.name in ("_scatter_one", "_wgrad_one"):
         n1 = TOKENS  # top_k == 1
-        capacity1 = n1 // EXPERTS if layout == 2 else 0
-        rows1 = {0: n1, 1: n1 + PADDED_EXTRA, 2: EXPERTS * capacity1}[layout]
-        return dict(num_positions=n1, num_experts=EXPERTS, num_rows=rows1, hidden=hidden, capacity=capacity1)
+        capacity1 = n1 // experts if layout == 2 else 0
+        rows1 = {0: n1, 1: n1 + PADDED_EXTRA, 2: experts * capacity1}[layout]
+        return dict(num_positions=n1, num_experts=experts, num_rows=rows1, hidden=hidden, capacity=capacity1)
     if spec.name == "_wgrad":
         return dict(num_slots=n, num_rows=n, hidden=hidden)
     if spec.name in ("_count", "_place"):
-        block_m = _prep_block_m()
+        block_m = _prep_block_m(experts)
         chunk = -(-n // (PREP_PROGRAMS * block_m)) * block_m
-        scalars = dict(num_items=n, num_keys=EXPERTS, key_mask=-1, chunk=chunk)
+        scalars = dict(num_items=n, num_keys=experts, key_mask=-1, chunk=chunk)
         if spec.name == "_place":
-            scalars.update(block=128, capacity=n // EXPERTS)
+            scalars.update(block=128, capacity=n // experts)
         return scalars
+    if spec.name == "_zero_empty_groups":
+        numel, chunk = FILL_ROWS * hidden, _fill_block(axes) * _fill_chunk_blocks()
+        return dict(group_numel=numel, group_stride=numel, chunk=chunk, num_items=experts * -(-numel // chunk))
     raise KeyError(spec.name)
 
 
-def _prep_block_m() -> int:
+def _fill_block(axes: dict) -> int:
+    import torch  # noqa: PLC0415
+
     from megablocks_ascend import devices  # noqa: PLC0415
-    return devices.prep_tile(EXPERTS, "npu").block_m
+    return devices.fill_block(getattr(torch, DTYPES[axes["dtype"]][1]), "npu")
+
+
+def _fill_chunk_blocks() -> int:
+    from megablocks_ascend import devices  # noqa: PLC0415
+    return devices.FILL_CHUNK_BLOCKS
+
+
+def _prep_block_m(experts: int) -> int:
+    from megablocks_ascend import devices  # noqa: PLC0415
+    return devices.prep_tile(experts, "npu").block_m
 
 
 # The representative block-sparse problem: a MegaBlocks topology of 64 block rows (8192 padded
@@ -296,41 +333,84 @@ def _cube_constexprs(spec: KernelSpec, axes: dict):
     return c, devices.cube_bytes(t, es)
 
 
-def configs(kernels: Iterable[KernelSpec] = KERNELS) -> list[Config]:
-    """Every configuration of every kernel: the product of its axes, tiles derived as on an NPU."""
+def configs(kernels: Iterable[KernelSpec] = KERNELS, *, axes: dict | None = None, experts: int = EXPERTS,
+            overrides: dict | None = None) -> list[Config]:
+    """Every configuration of every kernel: the product of its axes, tiles derived as on an NPU.
+
+    ``axes`` replaces the values of the named axes in every kernel that has them (``--axis``: more
+    hidden sizes or top_k values than the table's, or fewer); ``experts`` is the problem's expert
+    count (``BLOCK_E``); ``overrides`` sets constexprs by hand after they are derived (``--set``:
+    tiles no launcher would choose, to show what the back end does with them). The memory model
+    (``ub_bytes``, ``cube_bytes``) is that of the tile the configuration ends up with."""
     import torch  # noqa: PLC0415
 
     from megablocks_ascend import devices  # noqa: PLC0415
 
+    axes, overrides = dict(axes or {}), dict(overrides or {})
     out = []
     for spec in kernels:
         names = list(spec.axes)
-        for values in itertools.product(*(spec.axes[n] for n in names)):
-            axes = dict(zip(names, values))
+        values = [tuple(axes[n]) if n in axes else spec.axes[n] for n in names]
+        for combo in itertools.product(*values):
+            ax = dict(zip(names, combo))
             if spec.module == "blocksparse":
-                constexprs, cube = _cube_constexprs(spec, axes)
-                out.append(Config(spec.name, axes, constexprs, _cube_scalars(spec, axes), None, cube))
-                continue
-            constexprs = {k: v for k, v in axes.items() if k not in SIZE_AXES}
-            ub = None
-            if spec.kind is not None:
-                _, torch_name, es = DTYPES[axes["dtype"]]
-                t = devices.tile(spec.kind, getattr(torch, torch_name), axes["hidden"], "npu")
-                constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=axes["hidden"] % t.block_x == 0)
-                ub = devices.ub_bytes(spec.kind, t.block_m, t.block_x, es)
-            elif spec.module == "preparation":
-                constexprs["BLOCK_M"] = _prep_block_m()
-                if "BLOCK_P" in spec.derived:
-                    constexprs["BLOCK_P"] = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(EXPERTS))
+                constexprs, cube = _cube_constexprs(spec, ax)
+                scalars = _cube_scalars(spec, ax)
             else:
-                constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
-            if "BLOCK_E" in spec.derived:
-                constexprs["BLOCK_E"] = devices.block_e(EXPERTS)
+                constexprs = {k: v for k, v in ax.items() if k not in SIZE_AXES}
+                cube = None
+                if spec.module == "grouped":
+                    block = _fill_block(ax)
+                    constexprs.update(BLOCK=block, EVEN=FILL_ROWS * ax["hidden"] % block == 0)
+                elif spec.kind is not None:
+                    _, torch_name, _ = DTYPES[ax["dtype"]]
+                    t = devices.tile(spec.kind, getattr(torch, torch_name), ax["hidden"], "npu",
+                                     **_tile_args(spec, ax, experts))
+                    constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=ax["hidden"] % t.block_x == 0)
+                elif spec.module == "preparation":
+                    constexprs["BLOCK_M"] = _prep_block_m(experts)
+                    if "BLOCK_P" in spec.derived:
+                        constexprs["BLOCK_P"] = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(experts))
+                else:
+                    constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
+                if "BLOCK_E" in spec.derived:
+                    constexprs["BLOCK_E"] = devices.block_e(experts)
+                scalars = _scalars(spec, ax, experts)
             missing = set(spec.derived) - set(constexprs)
             if missing:
                 raise AssertionError(f"{spec.name}: derived constexprs {sorted(missing)} not computed")
-            out.append(Config(spec.name, axes, constexprs, _scalars(spec, axes), ub))
+            mine = {k: v for k, v in overrides.items() if k in constexprs}
+            if mine:
+                constexprs.update(mine)
+                if "BLOCK_X" in mine and "EVEN_X" not in mine and "EVEN_X" in constexprs:
+                    constexprs["EVEN_X"] = ax["hidden"] % constexprs["BLOCK_X"] == 0
+                if spec.cube:
+                    t = devices.CubeTile(constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_K"])
+                    cube = devices.cube_bytes(t, DTYPES[ax["dtype"]][2])
+            out.append(Config(spec.name, ax, constexprs, scalars, _model_ub(spec, ax, constexprs, experts), cube,
+                              experts, tuple(sorted(mine))))
     return out
+
+
+def _tile_args(spec: KernelSpec, axes: dict, experts: int) -> dict:
+    """What a kernel's launcher passes to ``devices.tile`` besides the dtype and hidden size
+    (``routing._tile``): its top_k (kernels that unroll their slots) and expert count (those that
+    take the bins: the ``BLOCK_E`` kernels)."""
+    return dict(top_k=axes.get("TOP_K", 1) if spec.unrolls_top_k else 1,
+                num_experts=experts if "BLOCK_E" in spec.derived else 1)
+
+
+def _model_ub(spec: KernelSpec, axes: dict, constexprs: dict, experts: int = EXPERTS) -> int | None:
+    """``devices.ub_bytes`` of a vector kernel's configuration (None: no feature tiles)."""
+    from megablocks_ascend import devices  # noqa: PLC0415
+    if spec.module == "grouped":
+        return devices.fill_ub_bytes(constexprs["BLOCK"], DTYPES[axes["dtype"]][2])
+    if spec.kind is None or spec.cube:
+        return None
+    args = _tile_args(spec, axes, experts)
+    return devices.ub_bytes(spec.kind, constexprs["BLOCK_M"], constexprs["BLOCK_X"], DTYPES[axes["dtype"]][2],
+                            even=bool(constexprs["EVEN_X"]), top_k=args["top_k"],
+                            block_e=devices.block_e(args["num_experts"]))
 
 
 def kernel_params(fn: Callable) -> tuple[list[str], list[str]]:
@@ -692,74 +772,175 @@ def _error_text(exc: BaseException) -> str:
     return text.strip()
 
 
+def _stem(cfg: Config) -> str:
+    return f"{cfg.kernel}__" + re.sub(r"[^\w=.-]+", "_", cfg.label)
+
+
 def run(kernels: Iterable[KernelSpec] = KERNELS, *, dump: str | None = None,
-        lowerer: Lowerer | None = None, only: str | None = None) -> list[dict]:
-    """Lower every configuration; one result dict per configuration."""
+        lowerer: Lowerer | None = None, only: str | None = None, backend=None,
+        cfgs: list[Config] | None = None) -> list[dict]:
+    """Lower every configuration; one result dict per configuration.
+
+    ``backend`` (a :class:`megablocks_ascend.cli.bishengir.Stage`) compiles each lowered module
+    with bishengir-compile for every gated target, in a pool of threads (the compiler is a
+    subprocess) while the front end goes on with the next configurations; None: the front end only.
+    """
     lowerer = lowerer or Lowerer()
     specs = {s.name: s for s in kernels}
-    results = []
-    for cfg in configs(specs.values()):
-        spec = specs[cfg.kernel]
-        if only and only not in cfg.kernel:
-            continue
-        row = dict(kernel=cfg.kernel, config=cfg.label, axes=cfg.axes, constexprs=cfg.constexprs,
-                   ub_bytes=cfg.ub_bytes, row_copy=spec.row_copy, cube=spec.cube, cube_bytes=cfg.cube_bytes)
-        t0 = time.perf_counter()
-        try:
-            ttir, linalg, retries = _lower_retrying_tool_crashes(lowerer, spec, cfg)
-        except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
-            row.update(status="FAIL", error=_error_text(exc))
-        else:
-            if retries:
-                row["tool_crashes"] = retries
-            if spec.cube:
-                counts = analyze_cube_ir(linalg)
-                row.update(counts)
-                problems = cube_problems(counts)
-                from megablocks_ascend import devices  # noqa: PLC0415
-                over = {k: v for k, v in cfg.cube_bytes.items() if v > devices.CUBE_LIMITS[k]}
-                if over:
-                    problems.append(f"cube tile over the A2 budget: {over}")
-            else:
-                counts = analyze_ir(linalg, cfg.constexprs.get(spec.hot_step))
-                row.update(counts)
-                problems = []
-            if spec.no_scalar_hot and counts["scalar_hot"] > 0:
-                problems.append(f"{counts['scalar_hot']} scalar accesses in the store loop")
-            if spec.row_copy and counts["scalar_hot"] > 0:
-                problems.append(f"{counts['scalar_hot']} scalar accesses in the feature-tile loop")
-            if spec.row_copy and counts["row_dma"] == 0:
-                problems.append("no per-row DMA: the row tiles did not lower to row copies")
-            if spec.kind is not None and cfg.ub_bytes is not None:
-                from megablocks_ascend import devices  # noqa: PLC0415
-                if cfg.ub_bytes > devices.UB_BYTES - devices.UB_RESERVE:
-                    problems.append(f"UB estimate {cfg.ub_bytes} over budget")
-            row.update(status="FAIL" if problems else "ok", error="; ".join(problems))
-            if dump:
-                d = Path(dump)
-                d.mkdir(parents=True, exist_ok=True)
-                stem = f"{cfg.kernel}__" + re.sub(r"[^\w=.-]+", "_", cfg.label)
-                (d / f"{stem}.ttir.mlir").write_text(ttir)
-                (d / f"{stem}.ttadapter.mlir").write_text(linalg)
-        row["seconds"] = round(time.perf_counter() - t0, 3)
-        results.append(row)
+    cfgs = configs(specs.values()) if cfgs is None else cfgs
+    results, pending = [], []
+    pool = None
+    if backend is not None:
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+        pool = ThreadPoolExecutor(max_workers=backend.jobs)
+    try:
+        for cfg in cfgs:
+            spec = specs[cfg.kernel]
+            if only and only not in cfg.kernel:
+                continue
+            row, linalg = _front_end(lowerer, spec, cfg, dump)
+            results.append(row)
+            if pool is not None and linalg is not None:
+                keep = Path(dump) / _stem(cfg) if dump else None
+                futures = {t: pool.submit(backend.compile, linalg, t, keep=keep and str(keep) + f".{t}")
+                           for t in backend.targets}
+                pending.append((row, spec, cfg, futures))
+        for row, spec, cfg, futures in pending:
+            _back_end(row, spec, cfg, {t: f.result() for t, f in futures.items()})
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return results
+
+
+def _front_end(lowerer, spec: KernelSpec, cfg: Config, dump: str | None) -> tuple[dict, str | None]:
+    """triton-ascend's ttir and ttadapter stages and the IR's counts: (row, Ascend IR or None)."""
+    from megablocks_ascend import devices  # noqa: PLC0415
+
+    row = dict(kernel=cfg.kernel, config=cfg.label, axes=cfg.axes, constexprs=cfg.constexprs,
+               ub_bytes=cfg.ub_bytes, row_copy=spec.row_copy, cube=spec.cube, cube_bytes=cfg.cube_bytes,
+               experts=cfg.experts, overridden=list(cfg.overridden))
+    t0 = time.perf_counter()
+    linalg = None
+    try:
+        ttir, linalg, retries = _lower_retrying_tool_crashes(lowerer, spec, cfg)
+    except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
+        row.update(status="FAIL", error=_error_text(exc))
+    else:
+        if retries:
+            row["tool_crashes"] = retries
+        if spec.cube:
+            counts = analyze_cube_ir(linalg)
+            row.update(counts)
+            problems = cube_problems(counts)
+            over = {k: v for k, v in cfg.cube_bytes.items() if v > devices.CUBE_LIMITS[k]}
+            if over:
+                problems.append(f"cube tile over the A2 budget: {over}")
+        else:
+            counts = analyze_ir(linalg, cfg.constexprs.get(spec.hot_step))
+            row.update(counts)
+            row["mix_mode"] = (_MIX_MODE_RE.search(linalg) or [None, None])[1]
+            problems = []
+        if spec.no_scalar_hot and counts["scalar_hot"] > 0:
+            problems.append(f"{counts['scalar_hot']} scalar accesses in the store loop")
+        if spec.row_copy and counts["scalar_hot"] > 0:
+            problems.append(f"{counts['scalar_hot']} scalar accesses in the feature-tile loop")
+        if spec.row_copy and counts["row_dma"] == 0:
+            problems.append("no per-row DMA: the row tiles did not lower to row copies")
+        if cfg.ub_bytes is not None and cfg.ub_bytes > devices.UB_BYTES - devices.UB_RESERVE:
+            problems.append(f"UB estimate {cfg.ub_bytes} over budget")
+        row.update(status="FAIL" if problems else "ok", error="; ".join(problems))
+        if dump:
+            d = Path(dump)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{_stem(cfg)}.ttir.mlir").write_text(ttir)
+            (d / f"{_stem(cfg)}.ttadapter.mlir").write_text(linalg)
+    row["seconds"] = round(time.perf_counter() - t0, 3)
+    return row, linalg
+
+
+# What an A2/A3 launch needs of each kind of kernel (docs/notes/ascend-lowering.md, "Launch
+# metadata"): triton-ascend 3.2.0 registers an "aiv" binary as a vector-core ELF and launches one
+# block per vector core; any other mix_mode as an AI-core ELF, one block per AI core. bishengir's
+# plan says what the kernel is: its module core type and the task type the launcher reads back.
+LAUNCH = {False: dict(mix_modes=("aiv",), core_type="AIV", task_type=10),
+          True: dict(mix_modes=("aic", "mix"), core_type="AIC", task_type=20)}
+
+
+def _back_end(row: dict, spec: KernelSpec, cfg: Config, by_target: dict) -> None:
+    """Fold the back end's results (one per target) into the row, with the gate's checks on them:
+    the compile itself, the launch metadata, and the memory model against the plan."""
+    problems = []
+    row["backend"] = by_target
+    first = next(iter(by_target.values()))
+    for target, res in by_target.items():
+        tag = f"{target}: " if len(by_target) > 1 else ""
+        problems += [tag + p for p in res["problems"]]
+    plan = first.get("plan")
+    if plan is not None:
+        peak = plan["peak"]
+        row.update(plan=plan, core_type=plan["core_type"], task_type=plan["task_type"],
+                   ub_plan=peak["ub"], l1_plan=peak["cbuf"], l0c_plan=peak["cc"],
+                   buffers=sum(plan["buffers"].values()),
+                   sync="{set_flag}/{wait_flag}/{pipe_barrier}".format(**plan["sync"]))
+        want = LAUNCH[spec.cube]
+        mode = first.get("mix_mode")
+        if mode not in want["mix_modes"] or plan["core_type"] != want["core_type"] \
+                or plan["task_type"] != want["task_type"]:
+            problems.append(f"launch metadata: adapter mix_mode {mode!r}, planned core type "
+                            f"{plan['core_type']}, task type {plan['task_type']}; a "
+                            f"{'cube' if spec.cube else 'vector'} kernel needs {want}")
+        problems += model_problems(cfg, plan)
+        for target, res in list(by_target.items())[1:]:
+            other = res.get("plan")
+            if other is not None and other["peak"] != peak:
+                row.setdefault("plan_differs", {})[target] = other["peak"]
+    if problems:
+        row["status"] = "FAIL"
+        row["error"] = "; ".join(([row["error"]] if row.get("error") else []) + problems)
+
+
+def model_problems(cfg: Config, plan: dict) -> list[str]:
+    """Where ``devices``' memory model is not an upper bound of the planned peaks."""
+    peak, out = plan["peak"], []
+    if cfg.ub_bytes is not None and peak["ub"] > cfg.ub_bytes:
+        out.append(f"memory model short: UB planned {peak['ub']} > devices.ub_bytes {cfg.ub_bytes}")
+    if cfg.cube_bytes is not None:
+        for space, key in (("cbuf", "l1"), ("cc", "l0c")):
+            if peak[space] > cfg.cube_bytes[key]:
+                out.append(f"memory model short: {key.upper()} planned {peak[space]} > "
+                           f"devices.cube_bytes {cfg.cube_bytes[key]}")
+    return out
+
+
+def _pct(row: dict, key: str, space: str) -> str | None:
+    plan = row.get("plan")
+    if plan is None or row.get(key) is None:
+        return None
+    return f"{row[key]} {100 * row[key] / plan['capacity'][space]:.0f}%"
 
 
 COLUMNS = (("kernel", "kernel"), ("config", "configuration"), ("status", "status"),
            ("row_dma", "row DMA"), ("scalar_hot", "scalar/hot"), ("scalar_row", "scalar/row"),
-           ("int_vec_hot", "int-vec/hot"), ("ub_bytes", "UB bytes"))
+           ("int_vec_hot", "int-vec/hot"), ("ub_bytes", "UB model"), ("ub_plan%", "UB planned"),
+           ("buffers", "buffers"), ("sync", "sync s/w/b"), ("core_type", "core"))
 
 
 CUBE_COLUMNS = (("kernel", "kernel"), ("config", "configuration"), ("status", "status"),
                 ("mix_mode", "mode"), ("mmad", "matmul"), ("tile_dma", "tile DMA"), ("transposes", "transp."),
                 ("scalar_k", "index/K"), ("scalar_data_k", "scalar/K"), ("tile_stores", "tile st."),
-                ("l0c", "L0C bytes"), ("l1", "L1 bytes"))
+                ("l0c", "L0C model"), ("l0c_plan%", "L0C planned"), ("l1", "L1 model"), ("l1_plan%", "L1 planned"),
+                ("ub_plan%", "UB planned"), ("buffers", "buffers"), ("sync", "sync s/w/b"), ("core_type", "core"))
+
+_PLANNED = {"ub_plan%": ("ub_plan", "ub"), "l1_plan%": ("l1_plan", "cbuf"), "l0c_plan%": ("l0c_plan", "cc")}
 
 
 def _table(results: list[dict], columns) -> list[str]:
     def cell(r, k):
-        v = r.get(k, (r.get("cube_bytes") or {}).get(k))
+        if k in _PLANNED:
+            v = _pct(r, *_PLANNED[k])
+        else:
+            v = r.get(k, (r.get("cube_bytes") or {}).get(k))
         return "-" if v is None else str(v)
     rows = [[cell(r, k) for k, _ in columns] for r in results]
     head = [h for _, h in columns]
@@ -768,14 +949,42 @@ def _table(results: list[dict], columns) -> list[str]:
     return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
 
-def format_table(results: list[dict]) -> str:
-    """The report: one line per configuration (vector kernels, then cube kernels), error details
-    after the tables, ``lowered: N/M`` last."""
+def plan_summary(results: list[dict]) -> list[str]:
+    """The back end in a few lines: the highest planned peak of each memory (and where), the
+    smallest headroom of the memory model over the plan, and targets whose plans differ."""
+    planned = [r for r in results if r.get("plan")]
+    if not planned:
+        return []
+    lines = []
+    for key, space, name in (("ub_plan", "ub", "UB"), ("l1_plan", "cbuf", "L1"), ("l0c_plan", "cc", "L0C")):
+        top = max(planned, key=lambda r: r[key])
+        if top[key]:
+            lines.append(f"  highest planned {name}: {_pct(top, key, space)} of {top['plan']['capacity'][space]}"
+                         f" ({top['kernel']} [{top['config']}])")
+    vec = [r for r in planned if r.get("ub_bytes")]
+    if vec:
+        tight = min(vec, key=lambda r: r["ub_bytes"] - r["ub_plan"])
+        lines.append(f"  memory model over the UB plan: least headroom {tight['ub_bytes'] - tight['ub_plan']} bytes "
+                     f"({tight['kernel']} [{tight['config']}]), most "
+                     f"{max(r['ub_bytes'] - r['ub_plan'] for r in vec)}")
+    differs = [r for r in planned if r.get("plan_differs")]
+    lines.append(f"  targets with a different plan from the first: {len(differs)} configurations")
+    return lines
+
+
+def format_table(results: list[dict], header: list[str] | None = None, footer: list[str] | None = None) -> str:
+    """The report: one line per configuration (vector kernels, then cube kernels), the back end's
+    summary and error details after the tables, ``lowered: N/M`` last."""
     vector = [r for r in results if not r.get("cube")]
     cube = [r for r in results if r.get("cube")]
-    lines = _table(vector, COLUMNS) if vector or not cube else []
+    lines = list(header or [])
+    if vector or not cube:
+        lines += _table(vector, COLUMNS)
     if cube:
         lines += ([""] if lines else []) + _table(cube, CUBE_COLUMNS)
+    summary = plan_summary(results)
+    if summary:
+        lines += ["", "memory plans (bishengir-compile, first target):"] + summary
     failures = [r for r in results if r["status"] != "ok"]
     if failures:  # one line per kernel and distinct error, with the first configuration that hit it
         groups: dict = {}
@@ -792,13 +1001,55 @@ def format_table(results: list[dict]) -> str:
         lines.append("")
         lines.append("tool crashes retried (triton-adapter-opt killed by a signal, then lowered):")
         lines.extend(f"  {r['kernel']} [{r['config']}]: {r['tool_crashes']}" for r in crashed)
+    lines += list(footer or [])
     ok = sum(1 for r in results if r["status"] == "ok")
     lines.append(f"lowered: {ok}/{len(results)}")
     return "\n".join(lines)
 
 
+def _parse_values(text: str):
+    out = []
+    for v in text.split(","):
+        v = v.strip()
+        if v.lower() in ("true", "false"):
+            out.append(v.lower() == "true")
+        else:
+            try:
+                out.append(int(v))
+            except ValueError:
+                out.append(v)
+    return out
+
+
+def _pairs(items, what: str, single: bool) -> dict:
+    out = {}
+    for item in items or ():
+        name, sep, values = item.partition("=")
+        if not sep or not name or not values:
+            raise ValueError(f"{what} {item!r}: expected NAME=VALUE{'' if single else '[,VALUE...]'}")
+        vals = _parse_values(values)
+        if single and len(vals) != 1:
+            raise ValueError(f"{what} {item!r}: one value")
+        out[name] = vals[0] if single else tuple(vals)
+    return out
+
+
 def main(args) -> int:
-    """The ``lower`` subcommand; ``args`` has ``json``, ``dump``, ``only`` and ``arch``."""
+    """The ``lower`` subcommand (see :func:`add_arguments`)."""
+    from megablocks_ascend.cli import bishengir  # noqa: PLC0415
+    try:
+        axes = _pairs(getattr(args, "axis", None), "--axis", single=False)
+        overrides = _pairs(getattr(args, "set", None), "--set", single=True)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    chosen = [s for s in KERNELS if not args.only or args.only in s.name]
+    unknown = [f"--axis {n}" for n in axes if not any(n in s.axes for s in chosen)]
+    unknown += [f"--set {n}" for n in overrides if not any(n in s.derived or n in s.axes for s in chosen)]
+    if unknown:
+        print(f"error: {', '.join(unknown)}: no kernel{' matching --only ' + args.only if args.only else ''} "
+              f"has it", file=sys.stderr)
+        return 2
     try:
         lowerer = Lowerer(args.arch)
     except TritonAscendMissing as exc:
@@ -813,10 +1064,40 @@ def main(args) -> int:
         import subprocess  # noqa: PLC0415
         env = dict(os.environ, TRITON_INTERPRET="0", _MEGABLOCKS_ASCEND_LOWER_REEXEC="1")
         return subprocess.call([sys.executable, "-m", "megablocks_ascend", *args.argv], env=env)
-    results = run(dump=args.dump, lowerer=lowerer, only=args.only)
-    print(format_table(results))
+    header, backend = [], None
+    if getattr(args, "front_end_only", False):
+        header.append("back end: not run (--front-end-only): triton-ascend's ttir and ttadapter stages only")
+    else:
+        try:
+            backend = make_backend(lowerer, getattr(args, "targets", None) or bishengir.GATED_TARGETS,
+                                   getattr(args, "jobs", None))
+        except (bishengir.CompilerMissing, bishengir.StageMismatch) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        header += backend.describe()
+    specs = KERNELS
+    try:
+        cfgs = configs(specs, axes=axes, experts=getattr(args, "experts", None) or EXPERTS, overrides=overrides)
+    except (KeyError, ValueError) as exc:
+        print(f"error: --axis/--set: {exc!r}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = run(specs, dump=args.dump, lowerer=lowerer, only=args.only, backend=backend, cfgs=cfgs)
+    wall = time.perf_counter() - t0
+    front = sum(r["seconds"] for r in results)
+    back = sum(res["seconds"] for r in results for res in (r.get("backend") or {}).values())
+    timing = (f"time: {wall:.0f} s for {len(results)} configurations (front end {front:.0f} s in one "
+              f"process" + (f"; back end {back:.0f} s of compiler runs over {backend.jobs} jobs)" if backend
+                            else ")"))
+    print(format_table(results, header=header + [""] if header else None, footer=["", timing]))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(target=args.arch, results=results), indent=1, default=str))
+        Path(args.json).write_text(json.dumps(dict(
+            target=args.arch, targets=list(backend.targets) if backend else [],
+            compiler=backend.compiler.describe() if backend else None,
+            flags={t: backend.flags(t) for t in backend.targets} if backend else None,
+            seconds=round(wall, 1), results=results), indent=1, default=str))
+    if getattr(args, "plans", None):
+        write_plans(args.plans, results, backend)
     failed = [r for r in results if r["status"] != "ok"]
     seen = set()  # full error text, once per distinct error, on stderr
     for r in failed:
@@ -826,8 +1107,69 @@ def main(args) -> int:
     return 1 if failed or not results else 0
 
 
+def make_backend(lowerer: Lowerer, targets, jobs: int | None = None):
+    """The back-end stage: bishengir-compile from the ascendnpu-ir wheel with triton-ascend 3.2.0's
+    npubin flags (checked against its source) and its own way of removing the adapter's metadata."""
+    from triton.backends.ascend import compiler as ascend  # noqa: PLC0415
+
+    from megablocks_ascend.cli import bishengir  # noqa: PLC0415
+    stage, strip = (getattr(ascend, n, None) for n in ("linalg_to_bin_enable_npu_compile_A2_A3", "_parse_linalg_metadata"))
+    if stage is None or strip is None:
+        raise bishengir.StageMismatch(
+            "this triton-ascend has no linalg_to_bin_enable_npu_compile_A2_A3 / _parse_linalg_metadata "
+            "(the gate is written against triton-ascend 3.2.0's npubin stage)")
+    problems = bishengir.check_npubin_source(inspect.getsource(stage))
+    if problems:
+        raise bishengir.StageMismatch(
+            "triton-ascend's npubin stage differs from the flags the gate passes (megablocks_ascend/cli/"
+            "bishengir.py, OPTION_FLAGS): " + "; ".join(problems))
+    return bishengir.Stage(bishengir.find_compiler("a2a3"), tuple(targets), lowerer.backend.parse_options({}),
+                           lambda linalg: strip(linalg, {}), jobs=jobs)
+
+
+def write_plans(path: str, results: list[dict], backend) -> None:
+    """Merge the planned peaks of ``results`` into the JSON file ``path`` (the memory model's
+    evidence, ``tests/data/ascend_memory_plans.json``): one entry per kernel and configuration
+    label, replacing an entry of the same key; one entry per line."""
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.is_file() else {}
+    entries = {(e["kernel"], e["config"]): e for e in data.get("plans", [])}
+    capacity = data.get("capacity")
+    for r in results:
+        if not r.get("plan"):
+            continue
+        if capacity is not None and r["plan"]["capacity"] != capacity:
+            raise ValueError(f"{r['kernel']} [{r['config']}]: capacities {r['plan']['capacity']} differ "
+                             f"from the file's {capacity}: record one target per file")
+        capacity = r["plan"]["capacity"]
+        entries[(r["kernel"], r["config"])] = dict(
+            kernel=r["kernel"], config=r["config"], axes=r["axes"], experts=r["experts"],
+            constexprs={k: v for k, v in r["constexprs"].items() if not isinstance(v, str)},
+            peak=r["plan"]["peak"], status=r["status"])
+    head = dict(compiler=backend.compiler.describe() if backend else data.get("compiler"),
+                target=backend.targets[0] if backend else data.get("target"), capacity=capacity)
+    lines = [json.dumps(e, sort_keys=True, separators=(",", ":"))
+             for e in sorted(entries.values(), key=lambda e: (e["kernel"], e["config"]))]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(head, sort_keys=True)[:-1] + ', "plans": [\n' + ",\n".join(lines) + "\n]}\n")
+
+
 def add_arguments(parser) -> None:
+    from megablocks_ascend.cli import bishengir  # noqa: PLC0415
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--dump", metavar="DIR", help="write each configuration's TTIR and Ascend IR")
+    parser.add_argument("--dump", metavar="DIR", help="write each configuration's TTIR and Ascend IR, and "
+                        "the back end's input, temporaries (the planned module) and log per target")
     parser.add_argument("--only", metavar="NAME", help="only kernels whose name contains NAME")
-    parser.add_argument("--arch", default=TARGET_ARCH, help=f"Ascend target (default {TARGET_ARCH})")
+    parser.add_argument("--arch", default=TARGET_ARCH, help=f"front-end target (default {TARGET_ARCH})")
+    parser.add_argument("--targets", nargs="+", metavar="TARGET",
+                        help=f"bishengir-compile --target values to gate (default: {' '.join(bishengir.GATED_TARGETS)})")
+    parser.add_argument("--jobs", type=int, metavar="N", help="back-end compiler runs at once (default: the cores)")
+    parser.add_argument("--front-end-only", action="store_true",
+                        help="stop after triton-ascend's ttadapter stage (no bishengir-compile)")
+    parser.add_argument("--axis", action="append", metavar="NAME=V[,V...]",
+                        help="replace an axis's values in every kernel that has it (e.g. hidden=64,100 TOP_K=8)")
+    parser.add_argument("--experts", type=int, metavar="N", help=f"the problem's expert count (default {EXPERTS})")
+    parser.add_argument("--set", action="append", metavar="NAME=V",
+                        help="set a constexpr by hand after the launchers' choice (e.g. BLOCK_M=64): shows "
+                             "what the back end does with a tile no launcher picks")
+    parser.add_argument("--plans", metavar="PATH", help="merge the planned peaks into this JSON file")

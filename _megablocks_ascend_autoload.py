@@ -1,0 +1,256 @@
+"""The hook that activates megablocks-ascend whatever a program imports first.
+
+torch (>= 2.5) ends ``import torch`` by calling the entry points that installed distributions
+declare in the ``torch.backends`` group; megablocks-ascend declares :func:`autoload`
+(pyproject.toml). torch_npu is loaded the same way. So every program in an environment where
+megablocks-ascend is installed runs :func:`autoload` once, whether it uses MegaBlocks or not, and
+this module is written for that: it imports nothing but the standard library, and all it does is
+put :class:`Finder` at the front of ``sys.meta_path``.
+
+The finder acts only when a module of ``megablocks`` or ``stk`` is about to execute: then it
+imports ``megablocks_ascend``, whose ``__init__`` does what it always did (imports torch_npu, picks
+the Triton interpreter on a machine without devices, installs the patches: see
+:mod:`megablocks_ascend.activation`), and steps aside. Programs that never import MegaBlocks or stk
+never import megablocks-ascend, Triton or torch_npu because of it, and their ``TRITON_INTERPRET``
+is left alone.
+
+Why ``import torch`` and not ``import megablocks``: MegaBlocks and stk import torch first thing,
+so the hook is in place before their first module that needs the plugin (``megablocks.ops``, which
+imports the CUDA extension ``megablocks_ops``, or stk's autotuned kernels) executes, even when the
+program's very first line is ``import megablocks`` or ``import stk``, or a client such as
+LLM Foundry imports MegaBlocks inside ``try``/``except ImportError``.
+
+Why this module is outside the package: importing any ``megablocks_ascend.<module>`` runs
+``megablocks_ascend/__init__``, which activates the plugin. torch needs a function it can call
+without that.
+
+``MEGABLOCKS_ASCEND_AUTOLOAD=0`` turns the hook off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns off
+all of torch's entry points, torch_npu's included); then ``import megablocks_ascend`` before
+MegaBlocks activates the plugin, as it always did. :func:`events` records how the plugin was
+activated; ``python -m megablocks_ascend doctor`` prints it.
+
+The second mechanism here, :func:`watch`, tells when a module starts and when it finishes
+executing. CPython's import system (``importlib._bootstrap._load_unlocked``, the same in
+Python 3.11, 3.12 and 3.13) sets ``spec._initializing = True`` on a module's spec just before it
+executes the module and ``spec._initializing = False`` once that ended, well or not; ``watch``
+turns ``_initializing`` into a property of that one spec object (its class becomes
+:class:`_WatchedSpec`, a subclass of ``ModuleSpec`` with no other change) to be called back at
+those two moments, and gives the spec its plain class back afterwards. It needs no loader wrapper,
+so a module's ``__loader__`` stays what its finder made, and it works for a module that is already
+executing, which a loader wrapper cannot (``import megablocks`` first: MegaBlocks' own package is
+still executing when ``import torch`` runs this hook).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+import threading
+from typing import Callable
+
+AUTOLOAD_VAR = "MEGABLOCKS_ASCEND_AUTOLOAD"
+TORCH_AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"  # torch's own switch for every entry point
+PACKAGE = "megablocks_ascend"
+WATCHED = ("megablocks", "stk")  # the libraries the plugin patches
+
+_events: list[str] = []
+
+
+def record(event: str) -> None:
+    """Note one step of the plugin's activation (``events()``, printed by ``doctor``)."""
+    _events.append(event)
+
+
+def events() -> list[str]:
+    """How the plugin was activated in this process, in order."""
+    return list(_events)
+
+
+def parse_flag(raw: str | None) -> bool:
+    """``MEGABLOCKS_ASCEND_AUTOLOAD``'s value: unset, empty or 1/true/yes/on -> True,
+    0/false/no/off -> False; anything else raises."""
+    value = (raw or "1").strip().lower() or "1"
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{AUTOLOAD_VAR}={raw!r}: expected 0 or 1 (0 turns megablocks-ascend's autoload off)")
+
+
+def enabled() -> bool:
+    """Whether ``MEGABLOCKS_ASCEND_AUTOLOAD`` lets the hook activate the plugin (default: yes)."""
+    return parse_flag(os.environ.get(AUTOLOAD_VAR))
+
+
+# ------------------------------------------------------------------------------------------
+# Knowing when a module starts and finishes executing.
+
+
+class _WatchedSpec(importlib.machinery.ModuleSpec):
+    """A ``ModuleSpec`` whose ``_initializing`` calls back (see the module docstring).
+
+    Instances are never created: :func:`watch` switches a spec's class to this one and back.
+    """
+
+    @property
+    def _initializing(self) -> bool:
+        return self.__dict__.get("_initializing", False)
+
+    @_initializing.setter
+    def _initializing(self, value: bool) -> None:
+        self.__dict__["_initializing"] = value
+        on_start, on_end = self.__dict__.get("_megablocks_ascend_watch", (None, None))
+        if value and on_start is not None:
+            stack = _starting.__dict__.setdefault("specs", [])
+            stack.append(self)
+            try:
+                on_start(self.name)
+            finally:
+                stack.pop()
+        elif not value:
+            self.__dict__.pop("_megablocks_ascend_watch", None)
+            self.__class__ = importlib.machinery.ModuleSpec
+            if on_end is not None:
+                module = sys.modules.get(self.name)
+                on_end(self.name, module is not None and getattr(module, "__spec__", None) is self)
+
+
+_starting = threading.local()  # .specs: those whose on_start runs in this thread, innermost last
+
+
+def starting():
+    """The spec of the module about to execute whose ``on_start`` callback is running in this
+    thread (that module is not in ``sys.modules`` yet), or None."""
+    specs = getattr(_starting, "specs", None)
+    return specs[-1] if specs else None
+
+
+def watch(spec, on_start: Callable[[str], None] | None = None,
+          on_end: Callable[[str, bool], None] | None = None) -> bool:
+    """Call ``on_start(name)`` just before the import system executes the module of ``spec`` and
+    ``on_end(name, succeeded)`` once its execution ended (``succeeded``: the module is in
+    ``sys.modules``). For a spec whose module is executing now, only ``on_end`` can still come.
+    A second watch of the same spec adds its callbacks after the first's.
+
+    Returns False, and watches nothing, for a spec that is not a plain ``ModuleSpec`` (a finder
+    with its own spec class; none of the libraries watched here has one)."""
+    if type(spec) is importlib.machinery.ModuleSpec:
+        spec.__class__ = _WatchedSpec
+    elif type(spec) is not _WatchedSpec:
+        return False
+    before_start, before_end = spec.__dict__.get("_megablocks_ascend_watch", (None, None))
+    spec.__dict__["_megablocks_ascend_watch"] = (_chain(before_start, on_start), _chain(before_end, on_end))
+    return True
+
+
+def _chain(first, second):
+    if first is None or second is None:
+        return first or second
+    return lambda *args: (first(*args), second(*args))
+
+
+def executing(name: str) -> bool:
+    """Whether module ``name`` is in ``sys.modules`` but has not finished executing."""
+    module = sys.modules.get(name)
+    return module is not None and bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+# ------------------------------------------------------------------------------------------
+# The import hook.
+
+
+class Finder:
+    """A ``sys.meta_path`` finder that finds nothing itself: for the modules it is interested in
+    it asks the finders after it, as the import system would, and watches the spec they return.
+
+    * Modules of ``megablocks`` and ``stk``: ``before(name)`` is called just before each executes
+      (at first: activate the plugin); ``after(name, succeeded)``, when set, once ``megablocks`` or
+      ``stk`` itself has finished (:mod:`megablocks_ascend.activation` sets both while it waits).
+    * Modules named in :func:`when_imported`: their callbacks, once the module has been imported.
+
+    It has no effect on ``importlib.util.find_spec``, which finds but does not execute, and leaves
+    ``sys.meta_path`` (:meth:`retire_if_idle`) once it has nothing left to do."""
+
+    def __init__(self):
+        self.before: Callable[[str], None] | None = _activate
+        self.after: Callable[[str, bool], None] | None = None
+        self.waiting: dict[str, list[Callable]] = {}
+
+    def find_spec(self, name, path=None, target=None):
+        before = after = None
+        if name.partition(".")[0] in WATCHED:
+            before = None if self.before is _activate and PACKAGE in sys.modules else self.before
+            after = self.after if "." not in name else None
+        if name in self.waiting:
+            after = _chain(after, self._deliver)
+        if before is None and after is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    watch(spec, on_start=before, on_end=after)
+                return spec
+        return None
+
+    def _deliver(self, name: str, succeeded: bool) -> None:
+        if succeeded:  # after a failed import the callbacks wait for the next attempt
+            for callback in self.waiting.pop(name, ()):
+                callback(sys.modules[name])
+        self.retire_if_idle()
+
+    def retire_if_idle(self) -> None:
+        """Leave ``sys.meta_path`` if there is nothing left to watch for."""
+        inert = self.before is None or (self.before is _activate and PACKAGE in sys.modules)
+        if inert and self.after is None and not self.waiting:
+            while self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+    def __repr__(self) -> str:
+        return f"<{__name__}.Finder: activates megablocks-ascend before {' or '.join(WATCHED)} execute>"
+
+
+def _activate(module: str) -> None:
+    if PACKAGE in sys.modules:
+        return  # activated already, or activating (this import came from megablocks_ascend itself)
+    record(f"activated by the import hook, just before `{module}` executed")
+    __import__(PACKAGE)
+
+
+FINDER = Finder()
+
+
+def when_imported(name: str, callback: Callable) -> None:
+    """Call ``callback(module)`` once module ``name`` has been imported: now if it has been
+    already, else when its import (or, after a failed one, the next) has finished. The plugin's
+    patches of optional clients (LLM Foundry) use it so as never to import them itself."""
+    module = sys.modules.get(name)
+    if module is not None and not executing(name):
+        callback(module)
+        return
+    FINDER.waiting.setdefault(name, []).append(callback)
+    if module is not None:  # executing now: the finder will not see it again
+        watch(module.__spec__, on_end=FINDER._deliver)
+    elif FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, FINDER)
+
+
+def autoload() -> None:
+    """The ``torch.backends`` entry point: runs at the end of ``import torch``. Puts the finder in
+    place unless ``MEGABLOCKS_ASCEND_AUTOLOAD=0``; imports nothing."""
+    if not enabled():
+        record(f"autoload off ({AUTOLOAD_VAR}={os.environ.get(AUTOLOAD_VAR)}): the import hook was not installed")
+        return
+    if FINDER in sys.meta_path:
+        return
+    if PACKAGE in sys.modules:
+        record("torch's entry point ran while megablocks_ascend was importing torch: no import hook needed")
+        return
+    sys.meta_path.insert(0, FINDER)
+    busy = [name for name in WATCHED if executing(name)]
+    record("import hook installed by torch's 'torch.backends' entry point (import torch)"
+           + (f", while {' and '.join(busy)} {'was' if len(busy) == 1 else 'were'} importing" if busy else ""))

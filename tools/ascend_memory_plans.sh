@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Record the Unified Buffer / L1 / L0C plans of bishengir-compile for every tile the launchers
+# choose, into tests/data/ascend_memory_plans.json: the evidence that devices.py's memory model is an
+# upper bound of the compiler's plans (tests/test_ascend_backend.py checks the model against it).
+# Run it again after changing the model, the tile choice or a kernel: the test says when the recorded
+# tiles are no longer the ones devices.tile picks. (docs/notes/ascend-backend.md, "The memory model")
+#
+# Needs the lowering venv with ascendnpu-ir (tools/ascend_lowering_env.sh). about 1900 configurations:
+# about 15 minutes on 2 idle cores. Only the A2 target is recorded: the A3 targets plan the same (the
+# gate compiles both for the table on every CI run).
+#
+# Usage: tools/ascend_memory_plans.sh [OUT.json]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${ASCEND_VENV:-$ROOT/.venv-ascend}"
+OUT="${1:-$ROOT/tests/data/ascend_memory_plans.json}"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+rm -f "$OUT"
+lower() {
+    echo "ascend_memory_plans: lower $*" >&2
+    # exit 1 (a failing configuration) is recorded too, and reported by the test; stop on anything else
+    "$VENV/bin/python" -m megablocks_ascend lower --targets Ascend910B4 --plans "$OUT" "$@" >/dev/null || [[ $? -eq 1 ]]
+}
+# 1. The gate's table: every kernel, dtype, hidden 1024 / 1000, every constexpr path (617).
+lower
+# 2. top_k beyond the table's 1 and 2: the scatter and the token-major gather unroll their slots.
+lower --only _scatter --axis TOP_K=4,8 --axis INT64=false
+lower --only _gather --axis TOP_K=4,8 --axis INT64=false
+lower --only _wgrad --axis TOP_K=4,8 --axis INT64=false --axis dtype=bf16,fp32
+# 3. More experts (BLOCK_E 64 and 256): the gather's per-row search, the walks' vectors.
+for e in 64 256; do
+    fewer=(--experts "$e" --axis INT64=false --axis dtype=bf16,fp32)
+    lower --only _gather "${fewer[@]}" --axis TOP_K=1,2 --axis SCALE=true  # and _gather_tokens
+    lower --only _scatter_one "${fewer[@]}" --axis SCALE=true
+    lower --only _wgrad_one "${fewer[@]}"
+    lower --only _route_map --experts "$e"
+done
+# 4. Narrow feature tiles, many rows: hidden sizes below one 512-wide tile, even and uneven.
+lower --only _ --axis hidden=16,20,64,100,128,200,256 --axis INT64=false --axis LAYOUT=1 --axis TOP_K=1,2 \
+    --axis dtype=bf16,fp32
+# 5. How the plan grows with the rows: BLOCK_M 1-16 set by hand at 512 columns (entries "set by
+#    hand": the model must bound them too; tools/fit_ub_model.py fits the coefficients on all).
+for bm in 1 2 4 8 16; do
+    lower --only _scatter --axis TOP_K=1,2,4,8 --axis INT64=false --axis dtype=bf16,fp32 --axis LAYOUT=1 --set BLOCK_M=$bm
+    lower --only _gather_tokens --axis TOP_K=1,2,4,8 --axis INT64=false --axis dtype=bf16,fp32 --axis LAYOUT=1 \
+        --set BLOCK_M=$bm
+    for e in 8 64 256; do
+        lower --only _gather --axis TOP_K=2 --axis INT64=false --axis dtype=bf16,fp32 --axis LAYOUT=1 --experts $e \
+            --set BLOCK_M=$bm
+    done
+    lower --only _wgrad --axis TOP_K=2 --axis INT64=false --axis dtype=bf16,fp32 --axis LAYOUT=1 --experts 64 \
+        --set BLOCK_M=$bm
+done
+echo "ascend_memory_plans: wrote $OUT" >&2
