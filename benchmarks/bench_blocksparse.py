@@ -117,7 +117,7 @@ def megablocks_topology(T, E, k, F, H, device, gen):
 
     args = Arguments(hidden_size=H, ffn_hidden_size=F, moe_num_experts=E, moe_top_k=k, mlp_impl="grouped",
                      bf16=True, fp16=False, device=device)
-    me = types.SimpleNamespace(args=args, blocking=BLOCK, ffn_hidden_size=F, num_experts=E,
+    me = types.SimpleNamespace(args=args, blocking=BLOCK, ffn_hidden_size=F, num_experts=E, top_k=k,
                                sort_end_bit=max(int(np.ceil(np.log2(E))), 1),
                                transpose_sort_end_bit=max(int(np.ceil(np.log2(E * F // BLOCK))), 1))
     me.sparse_transpose = lambda *a: ParallelDroplessMLP.sparse_transpose(me, *a)

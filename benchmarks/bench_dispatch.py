@@ -14,6 +14,14 @@ that cost per call, level by level, for ours and upstream's:
 
 and, for ours, the parts of the dispatcher (``check_routing``, ``resolve``) timed alone.
 
+The routing preparation (``prepare_routing``: the router's ids -> indices, bins, ...) is a row of
+its own: ``ours op`` is ``megablocks_ascend.ops.prepare_routing`` (what the patched
+``ParallelMLP.indices_and_bins`` calls; two launches), ``upstream op`` MegaBlocks' own sequence
+(``ops.sort``, ``ops.histogram``, ``ops.inclusive_cumsum``: ``backends.upstream_preparation``),
+whose torch ops are not stubbed (they run, at these tiny sizes).
+
+The routing tensors are the routing preparation's, as in a layer step.
+
 ``--stub`` (the default without a GPU) replaces the kernel launch itself with a no-op (Triton's
 ``JITFunction.run`` / the interpreter's ``InterpretedFunction.run``), so the figures are the Python
 above Triton's launcher, with no device; that runs anywhere. On a GPU without ``--stub`` the
@@ -43,7 +51,7 @@ import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
 import torch  # noqa: E402
 
 import bench_routing as br  # noqa: E402
-from megablocks_ascend import backends, patching, validation  # noqa: E402
+from megablocks_ascend import backends, ops, patching, validation  # noqa: E402
 from megablocks_ascend.kernels import routing  # noqa: E402
 
 # Small device work, so that a GPU keeps up with the host; smaller still with --stub, where the
@@ -140,13 +148,25 @@ def upstream_ops():
     return ({op: getattr(mops, op) for op in AUTOGRAD_OPS}, {op: getattr(kernels, op) for op in OPS}, restore)
 
 
+def prepared(d):
+    """``d``'s routing tensors replaced by the routing preparation's (the same values: what a layer
+    step hands its routing calls; ours then need not check them again, see validation)."""
+    top = torch.empty_like(d.indices)
+    top[d.indices.long()] = d.bin_ids
+    with backends.use_backend("torch"):
+        indices, bin_ids, bins, _, padded_bins = ops.prepare_routing(top, d.E, br.PAD_BLOCK)
+    assert torch.equal(indices, d.indices) and torch.equal(bins, d.bins) and torch.equal(padded_bins, d.padded_bins)
+    d.indices, d.bin_ids, d.bins, d.padded_bins = indices, bin_ids, bins, padded_bins
+    return d
+
+
 def measure(shapes, device, stub, calls, repeats, log):
     import megablocks.backend.kernels as kernels  # noqa: PLC0415
     import megablocks.ops as mops  # noqa: PLC0415
     clock = time.process_time if stub else time.perf_counter
     rows = []
     for sname, s in shapes.items():
-        d = br.Data(**s, device=device)
+        d = prepared(br.Data(**s, device=device))
         timings = {}
         with backends.use_backend("ascend"):
             for op in OPS:
@@ -165,6 +185,13 @@ def measure(shapes, device, stub, calls, repeats, log):
                 with Stub() if stub else _null():
                     for name, fn in fns.items():
                         timings[(op, name)] = per_call_us(fn, device, calls, repeats, clock)
+        ids = torch.randint(0, s["E"], (s["T"], s["k"]), device=device)
+        with backends.use_backend("ascend"), Stub() if stub else _null():
+            timings[("prepare_routing", "ours op")] = per_call_us(
+                lambda: ops.prepare_routing(ids, s["E"], 0, routing.DROPLESS), device, calls, repeats, clock)
+        with backends.use_backend("cuda" if device.type == "cuda" else "torch"):  # (the stand-in's own code)
+            timings[("prepare_routing", "upstream op")] = per_call_us(
+                lambda: backends.upstream_preparation(ids, s["E"]), device, calls, repeats, clock)
         if device.type == "cuda":
             # The plugin serving upstream's kernels (MEGABLOCKS_BACKEND=cuda): our dispatcher's cost
             # on top of upstream's kernel functions.
@@ -189,7 +216,7 @@ def measure(shapes, device, stub, calls, repeats, log):
                         timings[(op, name)] = per_call_us(fn, device, calls, repeats, clock)
         finally:
             restore()
-        for op in OPS:
+        for op in OPS + ("prepare_routing",):
             row = dict(shape=sname, op=op, **{name: round(us, 2) for (o, name), us in timings.items() if o == op})
             rows.append(row)
             log(f"  [{sname}] {op:22s} " + "  ".join(f"{k} {v:6.1f}" for k, v in row.items()

@@ -32,8 +32,14 @@ Usage::
 
     python benchmarks/bench_routing.py                    # the table, JSON and PNG
     python benchmarks/bench_routing.py --sweep --large --layers
-    python benchmarks/bench_routing.py --quick            # tiny shapes; runs on CPU (interpreter)
+    python benchmarks/bench_routing.py --no-table --prep  # the routing preparation alone
+    python benchmarks/bench_routing.py --quick [--prep]   # tiny shapes; runs on CPU (interpreter)
 
+``--prep``   the routing preparation (router ids -> indices, bin_ids, bins, tokens_per_expert,
+             padded_bins, and ours also the route map): ours (two launches) against MegaBlocks' own
+             ops.sort / ops.histogram / ops.inclusive_cumsum (/ ops.round_up) sequence, checked
+             equal first; do_bench (host + device), CUDA-graph replay (device) and host time to
+             enqueue one call, and the kernels one call launches (torch.profiler);
 ``--large``  correctness where tokens x hidden >= 2**31 (ours; upstream in a child process, since
              an int32 offset overflow can kill the CUDA context);
 ``--layers`` MegaBlocks' unchanged MoE and dMoE (mlp_impl="grouped") forward+backward with
@@ -519,6 +525,93 @@ def host_overhead(device, log):
     return out
 
 
+# --- The routing preparation -------------------------------------------------------------------
+
+# Router shapes (T tokens, E experts, top_k) of the step benchmarks (bench_steps.py's configs) and two more.
+PREP_SHAPES = {
+    "mixtral": dict(T=8192, E=8, k=2),
+    "ds64": dict(T=8192, E=64, k=6),
+    "qw128": dict(T=8192, E=128, k=8),
+    "fine": dict(T=16384, E=64, k=6),
+    "e256": dict(T=8192, E=256, k=8),
+}
+QUICK_PREP_SHAPES = {"quick": dict(T=24, E=4, k=2)}
+# What each layer prepares: (block for padded_bins, route-map layout): MoE's binned map (capacity
+# factor 1), the grouped dMoE's dropless one, the sparse dMoE's padded bins and map.
+PREP_VARIANTS = {"binned": (0, "BINNED"), "dropless": (0, "DROPLESS"), "padded": (PAD_BLOCK, "PADDED")}
+
+
+def kernels_per_call(fn, device):
+    """Device kernels (and memsets / copies) one call of ``fn`` launches, from torch.profiler; None
+    off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def prep_table(shapes, device, log):
+    """The routing preparation, ours against upstream's sequence (see the module docstring)."""
+    from megablocks_ascend.kernels import preparation  # noqa: PLC0415
+    # Upstream's sequence runs MegaBlocks' ops over the megablocks_ops module that is installed: on
+    # a GPU without MegaBlocks' extension, the plugin's stand-in, whose PyTorch code serves the
+    # `cuda` backend (torch.sort, a scatter-add); on a CPU (--quick) the same code under `torch`.
+    upstream_backend = "cuda" if device.type == "cuda" else "torch"
+    rows = []
+    for sname, s in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        logits = torch.randn(s["T"], s["E"], device=device, generator=g)
+        ids = torch.topk(torch.softmax(logits, dim=-1), s["k"]).indices  # int64 [T, k], as the router's
+        capacity = int(s["T"] * s["k"] / s["E"])
+        for variant, (block, layout) in PREP_VARIANTS.items():
+            route = getattr(routing, layout)
+
+            def ours():
+                return preparation.prepare_routing(ids, s["E"], block, route, capacity)
+
+            def upstream():
+                with backends.use_backend(upstream_backend):
+                    return backends.upstream_preparation(ids, s["E"], block)
+
+            got, want = ours(), upstream()
+            ok = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                     for a, b in zip(got, want))
+            row = dict(shape=sname, variant=variant, T=s["T"], E=s["E"], k=s["k"], block=block, ok=ok)
+            for name, fn in (("ours", ours), ("upstream", upstream)):
+                row[f"{name}_ms"] = bench(fn, device)
+                row[f"{name}_graph_ms"] = bench_graph(fn, device)
+                row[f"{name}_host_us"] = host_us(fn, device, iters=3 if device.type == "cpu" else 200)
+                row[f"{name}_kernels"] = kernels_per_call(fn, device)
+            rows.append(row)
+            log(f"  prep {sname:8s} {variant:8s} {'ok' if ok else 'MISMATCH'}  "
+                + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                            if k.startswith(("ours", "upstream"))))
+        del ids, logits
+        free(device)
+    return rows
+
+
+def prep_report(rows):
+    head = (f"{'shape':8s} {'variant':8s} {'ok':3s} | {'ours ms':>8s} {'up ms':>8s} {'x':>5s} | {'ours gr':>8s} "
+            f"{'up gr':>8s} | {'ours us':>8s} {'up us':>8s} | {'kernels':>7s}")
+    lines = [head]
+    for r in rows:
+        def f(key, fmt):
+            v = r.get(key)
+            return format(v, fmt) if v is not None else "-"
+        lines.append(f"{r['shape']:8s} {r['variant']:8s} {'ok' if r['ok'] else 'NO':3s} | {f('ours_ms', '8.4f')} "
+                     f"{f('upstream_ms', '8.4f')} {r['upstream_ms'] / r['ours_ms']:5.2f} | "
+                     f"{f('ours_graph_ms', '8.4f'):>8s} {f('upstream_graph_ms', '8.4f'):>8s} | "
+                     f"{f('ours_host_us', '8.1f')} {f('upstream_host_us', '8.1f')} | "
+                     f"{f('ours_kernels', 'd'):>3s}/{f('upstream_kernels', 'd'):>3s}")
+    return "\n".join(lines)
+
+
 # --- Large tensors (tokens x hidden >= 2**31) -------------------------------------------------
 
 LARGE = dict(T=(1 << 19) + 4096, H=4096, E=16, k=1, cf=1.0)
@@ -827,6 +920,7 @@ def main(argv=None):
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--layers", action="store_true")
     ap.add_argument("--host", action="store_true", help="host cost per call (launch overhead)")
+    ap.add_argument("--prep", action="store_true", help="the routing preparation, ours vs upstream's sequence")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--large-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--large-out", default=None, help=argparse.SUPPRESS)
@@ -876,6 +970,12 @@ def main(argv=None):
     if args.host and device.type == "cuda":
         report["host_overhead_us"] = host_overhead(device, log)
         save()
+    if args.prep:
+        prep_shapes = QUICK_PREP_SHAPES if args.quick else PREP_SHAPES
+        if args.shapes and not args.quick:
+            prep_shapes = {k: v for k, v in prep_shapes.items() if k in args.shapes.split(",")}
+        report["prep"] = prep_table(prep_shapes, device, log)
+        save()
     if args.layers and device.type == "cuda":
         report["layers"] = layers(device, log)
         save()
@@ -898,6 +998,12 @@ def main(argv=None):
         log(table(results))
         for name, t in report["targets"].items():
             log(f"target {name}: {'MET' if t['met'] else 'MISSED'} {t.get('misses', '')}")
+    if report.get("prep"):
+        log("")
+        log("routing preparation: ms = median of do_bench (host launch + device); gr = device ms from CUDA-graph "
+            "replay; us = host microseconds to enqueue one call; kernels = device kernels per call, ours/upstream; "
+            "x = upstream ms / ours ms")
+        log(prep_report(report["prep"]))
     log(f"wrote {json_path}")
     save()
     return 0

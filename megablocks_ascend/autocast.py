@@ -82,7 +82,8 @@ def custom_fwd(fwd=None, *, cast_inputs: torch.dtype | bool | None = None):
 
     @functools.wraps(fwd)
     def decorate_fwd(ctx, *args, **kwargs):
-        device_type = _device_type(fwd, args, kwargs)
+        first = args[0] if args else None  # (the routing ops' forwards take a tensor first: no search)
+        device_type = first.device.type if isinstance(first, torch.Tensor) else _device_type(fwd, args, kwargs)
         enabled = torch.is_autocast_enabled(device_type)
         ctx._autocast_device_type = device_type
         ctx._dtype = torch.get_autocast_dtype(device_type)
@@ -105,8 +106,13 @@ def custom_bwd(bwd):
 
     @functools.wraps(bwd)
     def decorate_bwd(ctx, *args, **kwargs):
-        with torch.autocast(device_type=ctx._autocast_device_type, enabled=ctx._fwd_used_autocast,
-                            dtype=ctx._dtype):
+        device_type = ctx._autocast_device_type
+        if not ctx._fwd_used_autocast and not torch.is_autocast_enabled(device_type) \
+                and torch.get_autocast_dtype(device_type) == ctx._dtype:
+            # Already the state the forward recorded (autocast off, same dtype): entering it again
+            # would change nothing but cost host time on every backward of a routing op.
+            return bwd(ctx, *args, **kwargs)
+        with torch.autocast(device_type=device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype):
             return bwd(ctx, *args, **kwargs)
 
     return decorate_bwd

@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from megablocks_ascend import compat, envs, reference, validation
-from megablocks_ascend.kernels import blocksparse, routing
+from megablocks_ascend import compat, devices, envs, reference, validation
+from megablocks_ascend.kernels import blocksparse, preparation, routing
 
 BACKENDS = envs.BACKENDS
 _AUTO = {"npu": "ascend", "cuda": "cuda", "cpu": "torch"}
@@ -64,25 +64,45 @@ def requested() -> str:
     return _overrides[-1] if _overrides else envs.backend()
 
 
+_resolved: dict = {}  # (requested name, torch.device) -> backend: the answers that were not errors
+
+
 def resolve(device: torch.device) -> str:
-    """The backend that serves tensors on ``device``, or :class:`BackendUnavailable`."""
+    """The backend that serves tensors on ``device``, or :class:`BackendUnavailable`.
+
+    A successful answer depends only on the name asked for, the device and what is installed (the
+    Triton interpreter, once on, stays on), so it is remembered: every routing call asks."""
     name = requested()
+    try:
+        return _resolved[(name, device)]
+    except (KeyError, TypeError):  # (TypeError: an unhashable stand-in for a device, in tests)
+        pass
+    backend = _resolve(name, device)
+    if isinstance(device, torch.device):
+        _resolved[(name, device)] = backend
+    return backend
+
+
+def _resolve(name: str, device: torch.device) -> str:
+    kind = device.type
     if name == "auto":
-        if device.type not in _AUTO:
+        if kind not in _AUTO:
             raise BackendUnavailable(
-                f"MEGABLOCKS_BACKEND=auto has no backend for {device.type} tensors; "
+                f"MEGABLOCKS_BACKEND=auto has no backend for {kind} tensors; "
                 "set MEGABLOCKS_BACKEND=torch to use plain PyTorch")
-        name = _AUTO[device.type]
+        name = _AUTO[kind]
     if name == "ascend":
-        if device.type == "cpu" and not compat.interpreter_active():
-            raise BackendUnavailable("MEGABLOCKS_BACKEND=ascend: " + compat.INTERPRETER_HINT)
-        if device.type == "npu" and not compat.is_triton_ascend():
-            raise BackendUnavailable(
-                "MEGABLOCKS_BACKEND=ascend on NPU tensors needs triton-ascend "
-                "(pip install 'megablocks-ascend[npu]'), but the installed triton is not triton-ascend")
-        if device.type not in ("cpu", "cuda", "npu"):
-            raise BackendUnavailable(f"MEGABLOCKS_BACKEND=ascend cannot run on {device.type} tensors")
-    elif name == "cuda" and device.type != "cuda":
+        if kind == "cpu":
+            if not compat.interpreter_active():
+                raise BackendUnavailable("MEGABLOCKS_BACKEND=ascend: " + compat.INTERPRETER_HINT)
+        elif kind == "npu":
+            if not compat.is_triton_ascend():
+                raise BackendUnavailable(
+                    "MEGABLOCKS_BACKEND=ascend on NPU tensors needs triton-ascend "
+                    "(pip install 'megablocks-ascend[npu]'), but the installed triton is not triton-ascend")
+        elif kind != "cuda":
+            raise BackendUnavailable(f"MEGABLOCKS_BACKEND=ascend cannot run on {kind} tensors")
+    elif name == "cuda" and kind != "cuda":
         raise BackendUnavailable(
             f"MEGABLOCKS_BACKEND=cuda runs upstream MegaBlocks' CUDA kernels, but the tensors are on "
             f"{device}; use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
@@ -178,35 +198,42 @@ _dispatching = _Depth()
 
 def _make_dispatcher(name: str) -> Callable:
     params, x_ndim, x_rows = SPECS[name]
-    tensor_args = tuple(p for p in params if p in _TENSOR_ARGS)
+    tensor_positions = tuple(i for i, p in enumerate(params) if p in _TENSOR_ARGS)
+    data_positions = tuple(i for i, p in enumerate(params) if p in ("x", "grad", "weights"))
+    at = {p: params.index(p) for p in params}
+    i_grad, i_bin_ids, i_weights, i_padded, i_capacity = (at.get(p) for p in (
+        "grad", "bin_ids", "weights", "padded_bins", "expert_capacity"))
+    i_indices, i_bins, i_top_k = at["indices"], at["bins"], at["top_k"]
     signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
 
     def dispatcher(*args, **kwargs):
-        if not kwargs and len(args) == len(params):
-            a = dict(zip(params, args))  # the common, positional call: skip Signature.bind
-        else:
-            a = signature.bind(*args, **kwargs).arguments
+        if kwargs or len(args) != len(params):
+            args = tuple(signature.bind(*args, **kwargs).arguments.values())  # (every parameter is required)
         if _dispatching.depth:
             # Upstream's functions call their siblings by module-global name (scatter calls
             # padded_scatter), which now finds this dispatcher: hand those straight to upstream.
-            return _upstream(name)(**a)
-        x = a["x"]
-        validation.check_routing(
-            name, x=x, x_ndim=x_ndim, indices=a["indices"], bins=a["bins"], top_k=a["top_k"],
-            bin_ids=a.get("bin_ids"), weights=a.get("weights"), padded_bins=a.get("padded_bins"),
-            expert_capacity=a.get("expert_capacity"), grad=a.get("grad"), x_rows=x_rows)
-        backend = resolve(x.device)
-        if backend == "ascend":
-            for k in tensor_args:
-                v = a[k]
-                if v is not None:
-                    a[k] = v.contiguous()
-        _record(name, backend, x.device)
-        _dispatching.depth += 1
-        try:
-            return _implementation(name, backend)(**a)
-        finally:
-            _dispatching.depth -= 1
+            return _upstream(name)(*args)
+        x = args[0]
+        prepared = validation.check_routing_args(
+            name, x, x_ndim, args[i_indices], args[i_bins], args[i_top_k],
+            None if i_bin_ids is None else args[i_bin_ids], None if i_weights is None else args[i_weights],
+            None if i_padded is None else args[i_padded], None if i_capacity is None else args[i_capacity],
+            None if i_grad is None else args[i_grad], x_rows)
+        device = x.device
+        backend = resolve(device)
+        _record(name, backend, device)
+        if backend == "ascend":  # our launchers take contiguous tensors (the preparation's are)
+            args = list(args)
+            for i in data_positions if prepared else tensor_positions:
+                if args[i] is not None:
+                    args[i] = args[i].contiguous()
+        elif backend == "cuda":
+            _dispatching.depth += 1  # (only upstream's functions call back into the dispatchers)
+            try:
+                return _implementation(name, backend)(*args)
+            finally:
+                _dispatching.depth -= 1
+        return _implementation(name, backend)(*args)
 
     dispatcher.__name__ = dispatcher.__qualname__ = name
     dispatcher.__signature__ = signature
@@ -217,6 +244,76 @@ def _make_dispatcher(name: str) -> Callable:
 
 KERNELS: dict[str, Callable] = {name: _make_dispatcher(name) for name in SPECS}
 globals().update(KERNELS)
+
+
+# ------------------------------------------------------------------------------------------
+# The routing preparation: the router's expert ids -> indices, bin_ids, bins, tokens_per_expert
+# (and padded_bins), as MegaBlocks' layers compute them before their routing calls.
+
+
+def end_bit(num_experts: int) -> int:
+    """The bits MegaBlocks' radix sort looks at for ``num_experts`` ids (``ParallelMLP.sort_end_bit``:
+    ``max(ceil(log2(num_experts)), 1)``)."""
+    return max((num_experts - 1).bit_length(), 1)
+
+
+def upstream_preparation(top_experts, num_experts, block=0, route=-1, capacity=0):
+    """MegaBlocks' own sequence (``ParallelMLP.indices_and_bins``, ``ParallelDroplessMLP.
+    indices_and_padded_bins``): ``ops.sort``, ``ops.histogram``, ``ops.inclusive_cumsum`` (and
+    ``ops.round_up`` with a second cumsum for ``padded_bins``), through whichever
+    ``megablocks_ops`` is installed (the CUDA extension, or the plugin's stand-in)."""
+    del route, capacity  # upstream's kernels need no route map
+    import megablocks.ops as mops  # noqa: PLC0415
+    top = top_experts.reshape(-1).int()
+    bin_ids, indices = mops.sort(top, end_bit(num_experts))
+    tokens_per_expert = mops.histogram(top, num_experts)
+    bins = mops.inclusive_cumsum(tokens_per_expert, 0)
+    bins = bins.view(1) if not bins.dim() else bins
+    padded_bins = None
+    if block:
+        padded_bins = mops.inclusive_cumsum(mops.round_up(tokens_per_expert, block), 0)
+        padded_bins = padded_bins.view(1) if not padded_bins.dim() else padded_bins
+    return indices, bin_ids, bins, tokens_per_expert, padded_bins
+
+
+def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
+    """``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the router's expert ids
+    (``padded_bins`` None when ``block`` is 0), served by the backend ``MEGABLOCKS_BACKEND`` selects:
+    our two-launch counting sort (``ascend``, which also writes the route map of layout ``route``
+    for the step's routing calls), the plain-PyTorch reference (``torch``) or MegaBlocks' own
+    sort / histogram / cumsum sequence (``cuda``). See :func:`validation.check_preparation`."""
+    validation.check_preparation("prepare_routing", top_experts=top_experts, num_experts=num_experts, block=block,
+                                 route=route, capacity=capacity)
+    device = top_experts.device
+    backend = resolve(device)
+    if backend == "ascend" and num_experts > devices.MAX_PREP_KEYS:
+        raise BackendUnavailable(
+            f"MEGABLOCKS_BACKEND=ascend: our routing preparation sorts up to {devices.MAX_PREP_KEYS} experts, not "
+            f"{num_experts}; use MEGABLOCKS_BACKEND=torch")
+    _record("prepare_routing", backend, device)
+    if backend == "ascend":
+        out = preparation.prepare_routing(top_experts, num_experts, block, route, capacity)
+    elif backend == "torch":
+        out = reference.prepare_routing(top_experts, num_experts, block, route, capacity)
+    else:
+        out = upstream_preparation(top_experts, num_experts, block, route, capacity)
+    indices, bin_ids, bins, _, padded_bins = out
+    if devices.no_reuse_depth() == 0 and not indices.is_inference():
+        # Well-formed by construction: the step's routing calls need not check it again (validation).
+        validation.mark_prepared(indices, bins, bin_ids, padded_bins, values_checked=envs.checks_enabled())
+    return out
+
+
+def kernels_serve_sort(op: str, x: torch.Tensor, num_keys: int) -> bool:
+    """Whether our counting-sort kernels serve the ``megablocks_ops`` stand-in's ``op`` (``sort`` or
+    ``histogram``) for ``x``: where the backend for its device is ``ascend`` and the keys are at
+    most ``devices.MAX_PREP_KEYS`` (recorded in :func:`trace` then). Elsewhere the stand-in's
+    PyTorch code serves it, as it always did: the stand-in is what MegaBlocks' own ``ops.sort`` and
+    ``ops.histogram`` call (under ``cuda`` too, where the CUDA extension is not built)."""
+    if resolve(x.device) != "ascend" or num_keys > devices.MAX_PREP_KEYS:
+        return False
+    _record(op, "ascend", x.device)
+    return True
 
 
 # ------------------------------------------------------------------------------------------

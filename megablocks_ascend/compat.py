@@ -97,7 +97,8 @@ def interpreter_active() -> bool:
 class Kernel:
     """One Triton kernel source, launchable on every target.
 
-    ``kernel[grid](*args, **meta)`` launches ``triton.jit(fn)``: compiled for CUDA tensors
+    ``kernel[grid](*args, **meta)`` (or ``kernel.launch(grid, *args, **meta)``) launches
+    ``triton.jit(fn)``: compiled for CUDA tensors
     (standard Triton) and NPU tensors (triton-ascend), interpreted for CPU tensors when the
     Triton interpreter is on, and a clear error for CPU tensors when it is not. ``kernel.jit``
     is what the Ascend lowering gate hands to triton-ascend's front end.
@@ -115,13 +116,16 @@ class Kernel:
             self._jit = triton.jit(self.fn)
         return self._jit
 
+    def launch(self, grid, *args, **kwargs):
+        """``kernel[grid](*args, **kwargs)`` without the closures the indexing makes per call (ours
+        and Triton's): the launchers call this on every routing call."""
+        # Our kernels take a tensor first; the CPU check is one attribute test.
+        if args[0].is_cpu and not interpreter_active():
+            raise RuntimeError(f"cannot run Triton kernel {self.__name__} on CPU tensors: " + INTERPRETER_HINT)
+        return self.jit.run(*args, grid=grid, warmup=False, **kwargs)
+
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            # Our kernels take a tensor first; the CPU check is one attribute test on a device.
-            if args[0].device.type == "cpu" and not interpreter_active():
-                raise RuntimeError(f"cannot run Triton kernel {self.__name__} on CPU tensors: " + INTERPRETER_HINT)
-            return self.jit[grid](*args, **kwargs)
-        return launch
+        return functools.partial(self.launch, grid)
 
     def __repr__(self) -> str:
         return f"Kernel({self.__name__})"

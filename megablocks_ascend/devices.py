@@ -157,12 +157,18 @@ def capturing(device: torch.device) -> bool:
     ``torch.npu.graph``, CUDA-graph trees under ``torch.compile(mode="reduce-overhead")``). On an
     NPU whose torch_npu has no such query the answer is True: callers then keep nothing across a
     possible capture boundary, which is always safe."""
-    if device.type == "cuda":
+    kind = device.type
+    if kind == "cuda":
         return torch.cuda.is_current_stream_capturing()
-    if device.type == "npu":
+    if kind == "npu":
         query = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
         return True if query is None else bool(query())
     return False
+
+
+def capturing_on(t: torch.Tensor) -> bool:
+    """:func:`capturing` for ``t``'s device (a CPU tensor answers without looking at its device)."""
+    return False if t.is_cpu else capturing(t.device)
 
 
 class _NoReuse(threading.local):
@@ -185,6 +191,11 @@ def no_reuse():
         yield
     finally:
         _no_reuse.depth -= 1
+
+
+def no_reuse_depth() -> int:
+    """How many :func:`no_reuse` blocks this thread is in (0: kernels may keep and reuse results)."""
+    return _no_reuse.depth
 
 
 def reuse_allowed(device: torch.device) -> bool:
@@ -316,6 +327,41 @@ def is_atlas_a2(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.npu.current_device()
     return npu_product(index).startswith("Ascend910B")
+
+
+# The routing preparation (kernels/preparation.py): a counting sort of expert ids. Its work tiles are
+# [BLOCK_E, BLOCK_M] (which of BLOCK_E keys each of BLOCK_M items has, float32), with BLOCK_E the next
+# power of two of the number of keys. On an NPU, bishengir-compile plans ~120-130 KiB of the 192 KiB
+# Unified Buffer for 4096-element tiles at 8 to 256 experts and ~185 KiB at 1024, where the per-key
+# vectors dominate (docs/notes/routing-preparation.md). On CUDA 4096 elements are 32 per thread of 4
+# warps per tile. The interpreter's cost is per tile operation.
+
+MAX_PREP_KEYS = 1024  # experts (or sort keys) the counting sort takes; BLOCK_E up to this
+PREP_TILE_ELEMENTS = {"npu": 4096, "cuda": 4096, "interpreter": 16384}
+PREP_MAX_BLOCK_M = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepTile:
+    block_m: int  # items per block of the walk (a power of two, at least 2: Triton 3.3.1's interpreter
+    # cannot scan a block of one)
+    num_warps: int = 4  # CUDA only
+
+
+@functools.lru_cache(maxsize=1024)
+def prep_tile(num_keys: int, device_target: str) -> PrepTile:
+    """The routing preparation's block of items for ``num_keys`` keys on ``device_target``."""
+    if device_target not in PREP_TILE_ELEMENTS:
+        raise ValueError(f"unknown target {device_target!r}")
+    if not 1 <= num_keys <= MAX_PREP_KEYS:
+        raise ValueError(f"the routing preparation takes 1 to {MAX_PREP_KEYS} keys, not {num_keys}")
+    block_m = max(PREP_TILE_ELEMENTS[device_target] // block_e(num_keys), 2)
+    return PrepTile(min(block_m, PREP_MAX_BLOCK_M))
+
+
+def prep_block_p(programs: int, block_e_: int) -> int:
+    """Rows of the per-program histogram table read at once (``BLOCK_P``), within the same tile budget."""
+    return max(min(_next_pow2(programs), PREP_TILE_ELEMENTS["npu"] // block_e_), 1)
 
 
 # --------------------------------------------------------------------------------------------

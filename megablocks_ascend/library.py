@@ -135,6 +135,25 @@ def _(x, grad, indices, bin_ids, bins, padded_bins, top_k):
 OPS = {name: globals()[name] for name in backends.SPECS}
 
 
+# The routing preparation. A custom op cannot return None, so ``padded_bins`` is an empty tensor
+# when ``block`` is 0 (ops.prepare_routing turns it back into None).
+@torch.library.custom_op(f"{_NS}::prepare_routing", mutates_args=())
+def prepare_routing(top_experts: Tensor, num_experts: int, block: int, route: int,
+                    capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors (no route map either)
+        indices, bin_ids, bins, tokens_per_expert, padded_bins = backends.prepare_routing(
+            top_experts, num_experts, block, route, capacity)
+    return indices, bin_ids, bins, tokens_per_expert, padded_bins if padded_bins is not None else bins.new_empty(0)
+
+
+@prepare_routing.register_fake
+def _(top_experts, num_experts, block, route, capacity):
+    n = top_experts.numel()
+    like = top_experts.new_empty(0, dtype=torch.int32)
+    return (like.new_empty(n), like.new_empty(n), like.new_empty(num_experts), like.new_empty(num_experts),
+            like.new_empty(num_experts if block else 0))
+
+
 # ------------------------------------------------------------------------------------------
 # stk's block-sparse matmuls (stk.backend.triton_kernels).
 

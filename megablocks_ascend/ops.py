@@ -190,6 +190,22 @@ def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k):
     return PaddedScatterOp.apply(x, indices, bin_ids, weights, bins, padded_bins, top_k)
 
 
+def prepare_routing(top_experts, num_experts: int, block: int = 0, route: int = -1, capacity: int = 0):
+    """The routing preparation: ``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the
+    router's expert ids, what MegaBlocks' ``ops.sort`` / ``ops.histogram`` / ``ops.inclusive_cumsum``
+    (/ ``ops.round_up``) sequence gives (``padded_bins``: each expert's count rounded up to a multiple
+    of ``block``; None when ``block`` is 0). No gradients (MegaBlocks calls it under ``no_grad``).
+    On ``ascend`` it is two launches, and ``route`` (a routing layout, ``capacity`` for the binned
+    one) names the route map to write in them for the routing calls that follow; see
+    :func:`megablocks_ascend.backends.prepare_routing`. A ``torch.library`` custom op while
+    ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        indices, bin_ids, bins, tokens_per_expert, padded_bins = library.prepare_routing(
+            top_experts, num_experts, block, route, capacity)
+        return indices, bin_ids, bins, tokens_per_expert, padded_bins if block else None
+    return backends.prepare_routing(top_experts, num_experts, block, route, capacity)
+
+
 OPS = {
     "binned_gather": binned_gather,
     "binned_scatter": binned_scatter,

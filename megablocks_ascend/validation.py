@@ -60,18 +60,69 @@ def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=
                   padded_bins=None, expert_capacity=None, grad=None, x_rows=None):
     """Validate one routing call. ``x_rows``: what ``x``'s rows are, where that is fixed:
     ``"tokens"`` (the assignments cover ``x.shape[0] * top_k``) or ``"assignments"`` (one row each)."""
+    check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, padded_bins, expert_capacity, grad,
+                       x_rows)
+
+
+# Routing tensors made by the routing preparation (``megablocks_ascend.ops.prepare_routing``) are
+# well-formed by construction: 1-D int32 on one device, ``indices`` a permutation, ``bin_ids`` and
+# ``bins`` consistent, ``padded_bins`` covering ``bins``; and, where the preparation checked the
+# router's ids (MEGABLOCKS_ASCEND_CHECKS=1), ``bins`` ends at the number of assignments. The
+# preparation records that on ``indices`` (:func:`mark_prepared`), and a routing call that passes
+# those very tensors, unchanged since (their version counters), is not checked for it again: the
+# checks hold, and each of a step's five routing calls would otherwise repeat them (with the value
+# checks on, a device-to-host sync each). Anything else about the call is checked as always.
+_PREPARED_ATTR = "_megablocks_ascend_prepared"
+
+
+def mark_prepared(indices, bins, bin_ids, padded_bins, values_checked: bool) -> None:
+    """Record that these routing tensors come from one routing preparation (see above); the
+    caller made sure they are not inference tensors (which have no version counter)."""
+    setattr(indices, _PREPARED_ATTR, (bins, bin_ids, padded_bins, values_checked,
+                                      _prepared_versions(indices, bins, bin_ids, padded_bins)))
+
+
+def _prepared_versions(indices, bins, bin_ids, padded_bins):
+    return (indices._version, bins._version, bin_ids._version,
+            None if padded_bins is None else padded_bins._version)
+
+
+def _prepared(indices, bins, bin_ids, padded_bins):
+    """The routing preparation's record of these tensors, or None (see above)."""
+    rec = indices.__dict__.get(_PREPARED_ATTR) if isinstance(indices, torch.Tensor) else None
+    if rec is None or rec[0] is not bins or (bin_ids is not None and rec[1] is not bin_ids) \
+            or (padded_bins is not None and rec[2] is not padded_bins) \
+            or rec[4] != _prepared_versions(indices, bins, rec[1], rec[2]):
+        return None
+    return rec
+
+
+def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, padded_bins, expert_capacity, grad,
+                       x_rows):
+    """:func:`check_routing` with every argument in order: what the dispatchers call on every
+    routing call, so the common case is written to cost as little host time as it can (the checks
+    and the order in which they fail are the same). Returns whether the routing tensors are the
+    routing preparation's (then also contiguous)."""
     _tensor(op, "x", x, x_ndim, FLOAT_DTYPES)
+    prepared = _prepared(indices, bins, bin_ids, padded_bins)
+    if prepared is not None:  # the routing tensors as the preparation made them (see above)
+        _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_capacity, grad, x_rows,
+                             prepared[3])
+        return True
     _tensor(op, "indices", indices, 1, INDEX_DTYPES)
     _tensor(op, "bins", bins, 1, INDEX_DTYPES)
-    _int(op, "top_k", top_k, 1)
-    if bins.shape[0] == 0:
+    if type(top_k) is not int or top_k < 1:  # (type, not isinstance: a bool is not a top_k)
+        _int(op, "top_k", top_k, 1)
+    experts = bins.shape[0]
+    if experts == 0:
         _fail(op, "bins", "must have one entry per expert, got 0 entries")
     n = indices.shape[0]
     if n % top_k != 0:
         _fail(op, "indices", f"has {n} assignments, which is not a multiple of top_k={top_k}")
-    if x_rows == "tokens" and n != x.shape[0] * top_k:
-        _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {x.shape[0]} * {top_k}")
-    if x_rows == "assignments" and x.shape[0] != n:
+    if x_rows == "tokens":
+        if n != x.shape[0] * top_k:
+            _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {x.shape[0]} * {top_k}")
+    elif x_rows == "assignments" and x.shape[0] != n:
         _fail(op, "x", f"must have one row per assignment ({n}), got {x.shape[0]}")
     if bin_ids is not None:
         _tensor(op, "bin_ids", bin_ids, 1, INDEX_DTYPES)
@@ -79,28 +130,112 @@ def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=
             _fail(op, "bin_ids", f"has {bin_ids.shape[0]} entries, expected one per assignment ({n})")
     if padded_bins is not None:
         _tensor(op, "padded_bins", padded_bins, 1, INDEX_DTYPES)
-        if padded_bins.shape != bins.shape:
-            _fail(op, "padded_bins", f"has {padded_bins.shape[0]} entries, expected one per expert ({bins.shape[0]})")
+        if padded_bins.shape[0] != experts:
+            _fail(op, "padded_bins", f"has {padded_bins.shape[0]} entries, expected one per expert ({experts})")
     if weights is not None:
         _tensor(op, "weights", weights, 1, FLOAT_DTYPES)
         if weights.shape[0] != n:
             _fail(op, "weights", f"has {weights.shape[0]} entries, expected one per assignment ({n})")
-    if expert_capacity is not None:
+    if expert_capacity is not None and (type(expert_capacity) is not int or expert_capacity < 0):
         _int(op, "expert_capacity", expert_capacity, 0)
     if grad is not None:
         _tensor(op, "grad", grad, 2, FLOAT_DTYPES)
         if grad.shape != (n // top_k, x.shape[-1]):
             _fail(op, "grad", f"must have shape {(n // top_k, x.shape[-1])}, got {tuple(grad.shape)}")
-    if x_ndim == 3 and x.shape[0] != bins.shape[0]:
-        _fail(op, "x", f"has {x.shape[0]} experts but 'bins' has {bins.shape[0]}")
-    _same_device(op, "x", x, (("indices", indices), ("bins", bins), ("bin_ids", bin_ids),
-                              ("weights", weights), ("padded_bins", padded_bins), ("grad", grad)))
+    if x_ndim == 3 and x.shape[0] != experts:
+        _fail(op, "x", f"has {x.shape[0]} experts but 'bins' has {experts}")
+    device = x.device
+    if indices.device != device or bins.device != device \
+            or (bin_ids is not None and bin_ids.device != device) \
+            or (weights is not None and weights.device != device) \
+            or (padded_bins is not None and padded_bins.device != device) \
+            or (grad is not None and grad.device != device):
+        _same_device(op, "x", x, (("indices", indices), ("bins", bins), ("bin_ids", bin_ids),
+                                  ("weights", weights), ("padded_bins", padded_bins), ("grad", grad)))
     if envs.checks_enabled():
         check_values(op, indices=indices, bins=bins, bin_ids=bin_ids, weights=weights, padded_bins=padded_bins)
+    return False
 
 
-def check_values(op, *, indices, bins, bin_ids=None, weights=None, padded_bins=None):
-    """The checks that read values (one device-to-host sync for all of them)."""
+def _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_capacity, grad, x_rows,
+                         values_checked):
+    """The checks of :func:`check_routing_args` that the routing preparation does not answer: the
+    call's own arguments and how they fit the routing (the same checks, in the same order)."""
+    if type(top_k) is not int or top_k < 1:
+        _int(op, "top_k", top_k, 1)
+    experts = bins.shape[0]
+    n = indices.shape[0]
+    if n % top_k != 0:
+        _fail(op, "indices", f"has {n} assignments, which is not a multiple of top_k={top_k}")
+    if x_rows == "tokens":
+        if n != x.shape[0] * top_k:
+            _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {x.shape[0]} * {top_k}")
+    elif x_rows == "assignments" and x.shape[0] != n:
+        _fail(op, "x", f"must have one row per assignment ({n}), got {x.shape[0]}")
+    if weights is not None:
+        _tensor(op, "weights", weights, 1, FLOAT_DTYPES)
+        if weights.shape[0] != n:
+            _fail(op, "weights", f"has {weights.shape[0]} entries, expected one per assignment ({n})")
+    if expert_capacity is not None and (type(expert_capacity) is not int or expert_capacity < 0):
+        _int(op, "expert_capacity", expert_capacity, 0)
+    if grad is not None:
+        _tensor(op, "grad", grad, 2, FLOAT_DTYPES)
+        if grad.shape != (n // top_k, x.shape[-1]):
+            _fail(op, "grad", f"must have shape {(n // top_k, x.shape[-1])}, got {tuple(grad.shape)}")
+    if x_ndim == 3 and x.shape[0] != experts:
+        _fail(op, "x", f"has {x.shape[0]} experts but 'bins' has {experts}")
+    device = x.device
+    if indices.device != device or (weights is not None and weights.device != device) \
+            or (grad is not None and grad.device != device):
+        _same_device(op, "x", x, (("indices", indices), ("weights", weights), ("grad", grad)))
+    if envs.checks_enabled():
+        if not values_checked:  # the preparation ran without the value checks: check the routing now
+            check_values(op, indices=indices, bins=bins, weights=weights)
+        elif weights is not None:
+            check_values(op, indices=indices, bins=bins, weights=weights, routing=False)
+
+
+_INT32_MAX = 2**31 - 1
+ROUTE_LAYOUTS = (-1, 0, 1, 2)  # none, and routing.DROPLESS, PADDED, BINNED
+
+
+def check_preparation(op, *, top_experts, num_experts, block, route, capacity):
+    """Validate one routing preparation: the router's expert ids ``top_experts`` ([tokens, top_k]
+    or flat, int32/int64), ``num_experts`` (>= 1), ``block`` (round each expert's count up to a
+    multiple of it for ``padded_bins``; 0: no ``padded_bins``), the route-map layout ``route``
+    (-1: none) and the binned ``capacity``. Sizes must keep every result in int32. With
+    ``MEGABLOCKS_ASCEND_CHECKS=1``, every id must lie in ``[0, num_experts)`` (a sync)."""
+    if not (isinstance(top_experts, torch.Tensor) and top_experts.ndim in (1, 2) and top_experts.dtype in INDEX_DTYPES):
+        if not isinstance(top_experts, torch.Tensor):
+            _fail(op, "top_experts", f"must be a torch.Tensor, got {type(top_experts).__name__}")
+        if top_experts.ndim not in (1, 2):
+            _fail(op, "top_experts", f"must be 1-D or 2-D ([tokens, top_k]), got shape {tuple(top_experts.shape)}")
+        dtype = str(top_experts.dtype).replace("torch.", "")
+        _fail(op, "top_experts", f"must have dtype in (int32, int64), got {dtype}")
+    _int(op, "num_experts", num_experts, 1)
+    _int(op, "block", block, 0)
+    _int(op, "capacity", capacity, 0)
+    if isinstance(route, bool) or route not in ROUTE_LAYOUTS:
+        _fail(op, "route", f"must be one of {ROUTE_LAYOUTS} (none, dropless, padded, binned), got {route!r}")
+    if route == 1 and not block:
+        _fail(op, "block", "must be > 0 for a padded route map (route=1)")
+    n = top_experts.numel()
+    if n + num_experts * max(block - 1, 0) > _INT32_MAX:
+        _fail(op, "top_experts", f"has {n} assignments, too many for int32 indices and bins"
+              + (f" padded to multiples of {block}" if block else ""))
+    if route == 2 and num_experts * capacity > _INT32_MAX:
+        _fail(op, "capacity", f"{capacity} x {num_experts} experts rows do not fit int32 row numbers")
+    if envs.checks_enabled() and n and bool(((top_experts < 0) | (top_experts >= num_experts)).any()):
+        _fail(op, "top_experts", f"must lie in [0, {num_experts}) (expert ids)")
+
+
+def check_values(op, *, indices, bins, bin_ids=None, weights=None, padded_bins=None, routing=True):
+    """The checks that read values (one device-to-host sync for all of them); ``routing=False``:
+    only the weights'."""
+    if not routing:
+        if not bool(torch.isfinite(weights).all()):
+            _fail(op, "weights", "must be finite (found NaN or inf)")
+        return
     n = indices.shape[0]
     b = bins.long()
     problems = {

@@ -39,6 +39,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Each test plans its launches anew: a plan is derived from the device tables, which tests may
+    monkeypatch (``kernels.routing.clear_plans``)."""
+    from megablocks_ascend.kernels import routing  # noqa: PLC0415
+    routing.clear_plans()
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """The device the device-generic tests run on (``MEGABLOCKS_ASCEND_TEST_DEVICE``, default cpu)."""

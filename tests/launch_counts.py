@@ -337,14 +337,15 @@ class LaunchCounter:
 # -- upstream's kernels on the CPU
 
 
-UPSTREAM_PATCHES = ("routing-kernels", "routing-ops", "stk-kernels")
+UPSTREAM_PATCHES = ("routing-kernels", "routing-ops", "stk-kernels", "routing-preparation")
 
 
 @contextlib.contextmanager
 def upstream_kernels():
-    """MegaBlocks' own routing ops and kernels, and stk's own block-sparse kernels, as shipped, for
-    the block: the patches that route them through megablocks_ascend (``routing-kernels``,
-    ``routing-ops``, ``stk-kernels``) are reverted, and applied again on exit. Upstream's autotuned
+    """MegaBlocks' own routing preparation, routing ops and kernels, and stk's own block-sparse
+    kernels, as shipped, for the block: the patches that route them through megablocks_ascend
+    (``routing-kernels``, ``routing-ops``, ``stk-kernels``, ``routing-preparation``) are reverted,
+    and applied again on exit. Upstream's autotuned
     routing kernels are narrowed to their first config (the interpreter cannot time configs; the
     config changes speed, not what launches). What a step launches on CPU tensors in the Triton
     interpreter is then what the same step launches on CUDA with the ``cuda`` backend, except that

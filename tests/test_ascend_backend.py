@@ -92,6 +92,18 @@ def test_read_plan_vector_counts_every_buffer_at_its_offset():
     assert bishengir.percent(plan, "ub") == pytest.approx(100 * 134560 / 196608)
 
 
+def test_read_plan_counts_a_mask_by_bits():
+    """A mask of its own (not over a wider buffer), as the routing preparation's ``_count`` at 1024
+    experts plans one (there ``1024x256x1``): bit-packed (at a byte per element it would end past
+    the UB, which the compiler that planned it did not report)."""
+    plan = bishengir.read_plan(VECTOR_PLAN.replace(
+        "    %7 = hivm.hir.pointer_cast(%c0_i64)",
+        "    %c98752_i64 = arith.constant 98752 : i64\n"
+        "    %8 = hivm.hir.pointer_cast(%c98752_i64) : memref<2048x256x1xi1, #hivm.address_space<ub>>\n"
+        "    %7 = hivm.hir.pointer_cast(%c0_i64)"))
+    assert plan["peak"]["ub"] == 98752 + 2048 * 256 // 8  # above the f32 buffer's 134,560
+
+
 def test_read_plan_refuses_what_it_cannot_size():
     with pytest.raises(bishengir.PlanError, match="dynamic size"):
         bishengir.read_plan(VECTOR_PLAN.replace("memref<8x512xbf16, #hivm", "memref<?x512xbf16, #hivm"))

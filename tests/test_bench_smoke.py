@@ -16,7 +16,7 @@ SCRIPT = REPO / "benchmarks" / "bench_routing.py"
 def test_bench_routing_quick_cpu(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     env.pop("OUT", None)
-    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--no-plot", "--out", str(tmp_path)],
+    p = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--prep", "--no-plot", "--out", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
 
@@ -38,6 +38,10 @@ def test_bench_routing_quick_cpu(tmp_path):
     assert all(c["ok"] for c in report["checks"]), [c for c in report["checks"] if not c["ok"]]
     assert set(report["targets"]) >= {"ceiling_90pct_large_shapes", "scatter_3x_upstream",
                                       "never_slower_than_upstream", "all_checks_pass"}
+    # --prep: the routing preparation of each layer kind, ours equal to upstream's sequence, timed
+    variants = [(r["shape"], r["variant"]) for r in report["prep"]]
+    assert variants == [("quick", v) for v in ("binned", "dropless", "padded")]
+    assert all(r["ok"] and r["ours_ms"] > 0 and r["upstream_ms"] > 0 for r in report["prep"]), report["prep"]
 
 
 def test_ab_routing_quick_cpu(tmp_path):

@@ -103,8 +103,12 @@ def test_bench_dispatch_quick_cpu(tmp_path):
     out = _run("bench_dispatch.py", tmp_path=tmp_path)
     report = json.loads((tmp_path / "bench_dispatch.json").read_text())
     rows = report["results"]["stub"]["rows"]
-    assert len(rows) == 9 and "launch stubbed" in out
+    assert len(rows) == 10 and "launch stubbed" in out
+    (prep,) = [r for r in rows if r["op"] == "prepare_routing"]  # the routing preparation, ours vs upstream's
+    assert prep["ours op"] > 0 and prep["upstream op"] > 0
     for r in rows:
+        if r is prep:
+            continue
         for key in ("ours dispatch", "ours launcher", "ours check_routing", "ours resolve", "upstream kernel"):
             assert r[key] > 0, (r, key)
         # the levels nest: the dispatcher costs at least its launcher

@@ -271,11 +271,11 @@ def test_route_map_is_not_reused_or_kept_while_capturing(monkeypatch, device):
     launches = _count_route_maps(monkeypatch)
     indices, bins = _routing_tensors(device)
     before = routing.route_map(indices, bins, None, layout=routing.DROPLESS)
-    monkeypatch.setattr(devices, "capturing", lambda device: True)
+    monkeypatch.setattr(devices, "capturing_on", lambda t: True)
     inside = [routing.route_map(indices, bins, None, layout=routing.DROPLESS) for _ in range(2)]
     assert len(launches) == 3 and inside[0] is not before and inside[1] is not inside[0]
     assert all(torch.equal(m, before) for m in inside)
-    monkeypatch.setattr(devices, "capturing", lambda device: False)
+    monkeypatch.setattr(devices, "capturing_on", lambda t: False)
     assert routing.route_map(indices, bins, None, layout=routing.DROPLESS) is before
 
 
@@ -325,6 +325,7 @@ def test_compiled_graphs_keep_nothing_on_their_tensors(device):
 
 def test_devices_capturing_is_false_off_a_capture(device):
     assert devices.capturing(device) is False
+    assert devices.capturing_on(torch.zeros(1, device=device)) is False
     assert grouped_gemm._capturing(device) is False
 
 

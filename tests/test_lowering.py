@@ -19,7 +19,7 @@ import torch
 
 from megablocks_ascend import compat, devices
 from megablocks_ascend.cli import lowering
-from megablocks_ascend.kernels import blocksparse, grouped, routing
+from megablocks_ascend.kernels import blocksparse, grouped, preparation, routing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,8 @@ def _constexpr_names(spec):
     return {k for k in spec.axes if k not in lowering.SIZE_AXES} | set(spec.derived)
 
 
-@pytest.mark.parametrize("module", [routing, blocksparse, grouped], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("module", [routing, preparation, blocksparse, grouped],
+                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_every_kernel_has_a_table(module):
     kernels = {name for name, obj in vars(module).items() if isinstance(obj, type(routing._gather))}
     short = module.__name__.rsplit(".", 1)[-1]
@@ -73,6 +74,9 @@ def _index_ptrs(name):
             "_scatter_one": {"indices", "bins", "padded_bins"},
             "_wgrad": {"slot_to_row"},
             "_wgrad_one": {"indices", "bins", "padded_bins"},
+            "_count": {"counts"},
+            "_place": {"counts", "indices", "bin_ids", "tokens_per_expert", "bins", "padded_bins",
+                       "slot_to_row"},
             "_zero_empty_groups": {"ends"}}[name]
 
 
@@ -111,10 +115,11 @@ class _Recorder:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
 
+    def launch(self, grid, *args, **kwargs):
+        self.calls.append((self.name, kwargs))
+
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append((self.name, kwargs))
-        return launch
+        return lambda *args, **kwargs: self.launch(grid, *args, **kwargs)
 
 
 def _launcher_calls(monkeypatch, int64):
@@ -124,6 +129,7 @@ def _launcher_calls(monkeypatch, int64):
     if int64:
         monkeypatch.setattr(routing, "_INT32_LIMIT", 1)  # every tensor counts as huge
     monkeypatch.setattr(devices, "target", lambda device: "npu")  # the launchers choose NPU tiles
+    routing.clear_plans()  # (plans made before the limit or the target changed)
     tokens = 4
     # every row-gather launcher of the module (gather_rows, and gather_tokens_rows where it exists)
     gathers = [getattr(routing, n) for n in ("gather_rows", "gather_tokens_rows") if hasattr(routing, n)]
@@ -187,6 +193,43 @@ def test_table_covers_every_launch(monkeypatch, int64):
             assert launched in table[key], f"{kernel} {dname} H={hidden}: {launched} not in the table"
             seen += 1
     assert seen > 0
+
+
+def test_preparation_table_covers_every_launch(monkeypatch):
+    """Every constexpr combination the routing preparation's launchers pass on an NPU (its tiles
+    and a grid of PREP_PROGRAMS) is in the table: the preparation of int32 and int64 ids with
+    each route map, and the megablocks_ops stand-in's sort and histogram."""
+    calls = []
+    for spec in lowering.PREPARATION_KERNELS:
+        monkeypatch.setattr(preparation, spec.name, _Recorder(spec.name, calls))
+    experts = lowering.EXPERTS
+    tile = devices.prep_tile(experts, "npu")
+    n = lowering.PREP_PROGRAMS * tile.block_m * 3  # every program gets work
+    launch = dict(tile=tile, num_programs=lowering.PREP_PROGRAMS)
+    seen = []
+    for dtype, index in ((torch.int32, "i32"), (torch.int64, "i64")):
+        ids = torch.zeros(n, dtype=dtype)
+        for route in lowering.ROUTES:
+            preparation.prepare_routing(ids, experts, 128 if route == routing.PADDED else 0, route, 4, **launch)
+            seen.append((index, list(calls)))
+            calls.clear()
+    for dtype, index in ((torch.int16, "i16"), (torch.int32, "i32")):
+        x = torch.zeros(n, dtype=dtype)
+        preparation.sort(x, 3, torch.empty_like(x), torch.empty_like(x), **launch)  # 2**3 = EXPERTS keys
+        preparation.histogram(x, experts, **launch)
+        seen.append((index, list(calls)))
+        calls.clear()
+    table = {}
+    for cfg in lowering.configs(lowering.PREPARATION_KERNELS):
+        table.setdefault((cfg.kernel, cfg.axes["index"]), []).append(cfg.constexprs)
+    kernels = set()
+    for index, launches in seen:
+        for kernel, kwargs in launches:
+            spec = next(s for s in lowering.PREPARATION_KERNELS if s.name == kernel)
+            launched = {k: kwargs[k] for k in _constexpr_names(spec)}
+            assert launched in table[(kernel, index)], f"{kernel} {index}: {launched} not in the table"
+            kernels.add(kernel)
+    assert kernels == {"_count", "_place"}
 
 
 def _blocksparse_launches(monkeypatch, int64):

@@ -372,24 +372,43 @@ def test_route_map_is_reused_within_a_step_and_recomputed_when_the_routing_chang
     assert torch.equal(again[indices.long()], torch.arange(16, dtype=torch.int32))
 
 
-def test_a_whole_layer_step_computes_each_route_map_once(monkeypatch):
+@pytest.mark.parametrize("layer_kind", ["MoE", "dMoE-grouped", "dMoE-sparse"])
+def test_a_whole_layer_step_launches_no_route_map(monkeypatch, layer_kind):
+    """The routing preparation writes the step's route map in its own launch: none of the routing
+    calls (forward gather and scatter, both backwards, the weight gradient) launches one. With
+    upstream's preparation (the routing-preparation patch taken out), the first routing call
+    computes it and the others share it."""
     from megablocks.layers.arguments import Arguments
     from megablocks.layers.dmoe import dMoE
-    from megablocks.layers.moe import clear_load_balancing_loss
+    from megablocks.layers.moe import MoE, clear_load_balancing_loss
     from megablocks_ascend.kernels import routing
 
-    args = Arguments(hidden_size=16, ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2,
-                     mlp_impl="grouped", fp16=False, bf16=False, moe_loss_weight=0.0)
-    layer = dMoE(args)
+    cls = MoE if layer_kind == "MoE" else dMoE
+    args = Arguments(hidden_size=16, ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2,
+                     mlp_impl="sparse" if layer_kind == "dMoE-sparse" else "grouped", fp16=False, bf16=False,
+                     moe_loss_weight=0.0)
+    layer = cls(args)
     routing.clear_route_maps()
     launches = []
     real = routing._compute_route_map
     monkeypatch.setattr(routing, "_compute_route_map", lambda *a, **k: launches.append(1) or real(*a, **k))
-    with megablocks_ascend.use_backend("ascend"):
-        out, bias = layer(torch.randn(4, 2, 16, requires_grad=True))
-        out.sum().backward()
-    clear_load_balancing_loss()
-    assert len(launches) == 1  # forward gather, forward scatter, both backwards and the wgrad share it
+
+    def step():
+        with megablocks_ascend.use_backend("ascend"), megablocks_ascend.trace() as calls:
+            out, bias = layer(torch.randn(4, 2, 16, requires_grad=True))
+            out.sum().backward()
+        clear_load_balancing_loss()
+        return {c.op for c in calls}
+
+    assert "prepare_routing" in step() and launches == []
+    patch = next(p for p in patching.PATCHES if p.name == "routing-preparation")
+    patch.revert()
+    try:
+        assert "prepare_routing" not in step()
+    finally:
+        patch.apply(patch)
+        patch.applied = True
+    assert len(launches) == 1
 
 
 def test_route_map_under_inference_mode():

@@ -52,4 +52,9 @@ for bm in 1 2 4 8 16; do
     lower --only _wgrad --axis TOP_K=2 --axis INT64=false --axis dtype=bf16,fp32 --axis LAYOUT=1 --experts 64 \
         --set BLOCK_M=$bm
 done
+# 6. The routing preparation at 128 and 1024 experts (its item blocks shrink as the keys grow).
+for e in 128 1024; do
+    lower --only _count --experts "$e"
+    lower --only _place --experts "$e" --axis index=i64
+done
 echo "ascend_memory_plans: wrote $OUT" >&2

@@ -12,8 +12,10 @@ that handoff, on CPU, with the flags triton-ascend passes, and reads the planned
 * every on-chip buffer is a ``hivm.hir.pointer_cast(%offset) : memref<SHAPE x T,
   #hivm.address_space<SPACE>>`` at a constant byte offset in ``ub`` (a vector core's Unified
   Buffer), ``cbuf`` (an AI core's L1) or ``cc`` (its L0C); the planned peak of a space is the
-  largest ``offset + size`` (an ``i1`` element is counted as a byte: the planner puts masks over
-  buffers of wider types, so the choice never sets a peak in our kernels);
+  largest ``offset + size``, an ``i1`` element counted as a bit, as the planner packs masks: the
+  routing preparation at 1024 experts plans a ``1024x256x1xi1`` mask of its own at offset 98,752,
+  where a byte per element would end 164 KiB past the Unified Buffer, and the compiler reported no
+  overflow (elsewhere masks lie over buffers of wider types and never set a peak);
 * the module carries the target's capacities (``UB_SIZE``, ``L1_SIZE``, ``L0C_SIZE`` ... in bits)
   and core counts, the kernel's core type (``hivm.module_core_type``: ``AIV`` vector, ``AIC``
   cube, ``MIX``) and the task type the launcher reads back (``<kernel>_infer_task_type_function``:
@@ -285,7 +287,7 @@ class PlanError(ValueError):
 SPACES = ("ub", "cbuf", "cc")  # Unified Buffer, L1, L0C
 # The module's capacity entries (bits) for each space, and the ones reported besides.
 CAPACITY_KEYS = {"ub": "UB_SIZE", "cbuf": "L1_SIZE", "cc": "L0C_SIZE"}
-_ELEMENT_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64}
+_ELEMENT_BITS = {"i1": 1, "i8": 8, "i16": 16, "i32": 32, "i64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64}
 _CONST_I64_RE = re.compile(r"(%c[\w]*)\s*=\s*arith\.constant\s+(-?\d+)\s*:\s*i64\b")
 _POINTER_CAST_RE = re.compile(
     r"hivm\.hir\.pointer_cast\(([^)]*)\)[^:\n]*:\s*memref<([^,>]*)(?:,[^#>\n]*)?,\s*#hivm\.address_space<(\w+)>>")

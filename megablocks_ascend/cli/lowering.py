@@ -162,6 +162,21 @@ CUBE_KERNELS = (
     KernelSpec("_row_indices", None, dict(index=INDEX_TYPES), ("BLOCK",), ("out",), False, module="blocksparse",
                hot_step="BLOCK", no_scalar_hot=True),
 )
+# The routing preparation (kernels/preparation.py): a counting sort of expert ids. Keys are the
+# router's ids (int32 / int64) or, through the megablocks_ops stand-in, the sparse dMoE's int16 block
+# column indices; PLACE=0 is the stand-in's histogram. The tiles come from devices.prep_tile for the
+# problem's expert count (EXPERTS, or --experts) and a grid of PREP_PROGRAMS vector cores. Its
+# scattered stores (a sort places each item at a computed position) are per-element by nature:
+# nothing is gated on them.
+PREP_INDEX_TYPES = ("i16", "i32", "i64")
+PREP_PROGRAMS = 40  # the vector cores of an A2 (910B) device
+ROUTES = (-1, 0, 1, 2)  # preparation.NO_ROUTE, then routing.DROPLESS, PADDED, BINNED
+PREPARATION_KERNELS = (
+    KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E"), ("keys",), False,
+               module="preparation", hot_step="BLOCK_M"),
+    KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=BOOLS, PADDED=BOOLS, ROUTE=ROUTES),
+               ("BLOCK_M", "BLOCK_E", "BLOCK_P"), ("keys",), False, module="preparation", hot_step="BLOCK_M"),
+)
 # The zero fill of the empty groups of a weight gradient (kernels/grouped.py): "hidden" is the
 # gradient's last dimension N, with M = FILL_ROWS rows per group (768 x 1024 is a whole number of
 # fill tiles, 768 x 1000 is not); ends int64, as the grouped GEMM stand-in passes them.
@@ -171,7 +186,7 @@ GROUPED_KERNELS = (
                ("BLOCK", "EVEN"), ("out",), False, module="grouped", ptr_types=(("ends", "*i64"),),
                hot_step="BLOCK", no_scalar_hot=True),
 )
-KERNELS = ROUTING_KERNELS + CUBE_KERNELS + GROUPED_KERNELS
+KERNELS = ROUTING_KERNELS + PREPARATION_KERNELS + CUBE_KERNELS + GROUPED_KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +249,13 @@ def _scalars(spec: KernelSpec, axes: dict, experts: int = EXPERTS) -> dict:
         return dict(num_positions=n1, num_experts=experts, num_rows=rows1, hidden=hidden, capacity=capacity1)
     if spec.name == "_wgrad":
         return dict(num_slots=n, num_rows=n, hidden=hidden)
+    if spec.name in ("_count", "_place"):
+        block_m = _prep_block_m(experts)
+        chunk = -(-n // (PREP_PROGRAMS * block_m)) * block_m
+        scalars = dict(num_items=n, num_keys=experts, key_mask=-1, chunk=chunk)
+        if spec.name == "_place":
+            scalars.update(block=128, capacity=n // experts)
+        return scalars
     if spec.name == "_zero_empty_groups":
         numel, chunk = FILL_ROWS * hidden, _fill_block(axes) * _fill_chunk_blocks()
         return dict(group_numel=numel, group_stride=numel, chunk=chunk, num_items=experts * -(-numel // chunk))
@@ -250,6 +272,11 @@ def _fill_block(axes: dict) -> int:
 def _fill_chunk_blocks() -> int:
     from megablocks_ascend import devices  # noqa: PLC0415
     return devices.FILL_CHUNK_BLOCKS
+
+
+def _prep_block_m(experts: int) -> int:
+    from megablocks_ascend import devices  # noqa: PLC0415
+    return devices.prep_tile(experts, "npu").block_m
 
 
 # The representative block-sparse problem: a MegaBlocks topology of 64 block rows (8192 padded
@@ -340,6 +367,10 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS, *, axes: dict | None = None
                     t = devices.tile(spec.kind, getattr(torch, torch_name), ax["hidden"], "npu",
                                      **_tile_args(spec, ax, experts))
                     constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=ax["hidden"] % t.block_x == 0)
+                elif spec.module == "preparation":
+                    constexprs["BLOCK_M"] = _prep_block_m(experts)
+                    if "BLOCK_P" in spec.derived:
+                        constexprs["BLOCK_P"] = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(experts))
                 else:
                     constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
                 if "BLOCK_E" in spec.derived:

@@ -4,7 +4,10 @@ The check a user with an NPU runs first: every routing kernel function of every 
 (binned, dropless, padded), forward and weight-gradient, in fp32/fp16/bf16, on shapes that cross
 expert boundaries inside sub-blocks, drop tokens and leave padding, compared with the pure-PyTorch
 backend on the same device. Gathers must match exactly; scatters and weight gradients within a
-tolerance derived from the dtype. Then stk's block-sparse matmuls as the sparse dMoE calls them
+tolerance derived from the dtype; the routing preparation (router ids -> indices, bins, padded
+bins and each layout's route map) must equal the ``torch`` backend's and the route-map kernel's
+exactly, and so must the ``megablocks_ops`` stand-in's sort and histogram on the same kernels.
+Then stk's block-sparse matmuls as the sparse dMoE calls them
 (``sdd``, ``dsd``, ``dsd`` transposed, ``dds``, ``row_indices``) on a MegaBlocks-shaped topology
 with an expert that got no tokens, against the same backend.
 """
@@ -102,6 +105,39 @@ def _blocksparse(device, dtype, gen):
     ]
 
 
+def _preparation(tokens, experts, top_k, cap, device, gen):
+    """(name, shape, ok) of the routing preparation and the stand-in's sort and histogram, ours
+    (``ascend``) against the ``torch`` backend's and the route-map kernel's, exactly."""
+    from megablocks_ascend import backends  # noqa: PLC0415
+    from megablocks_ascend.kernels import preparation, routing  # noqa: PLC0415
+    from megablocks_ascend.native import megablocks_ops  # noqa: PLC0415
+    ids = torch.topk(torch.randn(tokens, experts, generator=gen), top_k).indices.to(device)
+    shape = f"T={tokens} E={experts} k={top_k}"
+    out = []
+    for layout, block, capacity in ((routing.DROPLESS, 0, 0), (routing.PADDED, 8, 0), (routing.BINNED, 0, cap)):
+        with backends.use_backend("torch"):
+            ref = backends.prepare_routing(ids, experts, block, layout, capacity)
+        got = preparation.prepare_routing(ids, experts, block, layout, capacity)
+        ok = all((a is None and b is None) or (a is not None and torch.equal(a, b)) for a, b in zip(got, ref))
+        indices, _, bins, _, padded = got
+        pb = padded if layout == routing.PADDED else None
+        kept = routing.route_map(indices, bins, pb, layout=layout, capacity=capacity)
+        ok = ok and torch.equal(kept, routing._compute_route_map(indices, bins, pb, layout=layout, capacity=capacity,
+                                                                 block_m=None, num_programs=None))
+        out.append((f"prepare_routing[{('dropless', 'padded', 'binned')[layout]}]", shape, ok))
+    keys = ids.reshape(-1).int()
+    end_bit = backends.end_bit(experts)
+    x_out, iota = torch.empty_like(keys), torch.empty_like(keys)
+    with backends.use_backend("ascend"):
+        megablocks_ops.sort(keys, end_bit, x_out, iota)
+        counts = megablocks_ops.histogram(keys.short(), experts)
+    want_x, want_iota = torch.sort(keys, stable=True)
+    out.append(("megablocks_ops.sort", shape, torch.equal(x_out, want_x) and torch.equal(iota, want_iota.int())))
+    out.append(("megablocks_ops.histogram", shape,
+                torch.equal(counts, torch.bincount(keys.long(), minlength=experts).int())))
+    return out
+
+
 def run(device: torch.device, dtypes=(torch.float32, torch.float16, torch.bfloat16), verbose=True,
         families=("routing", "blocksparse")) -> int:
     from megablocks_ascend import backends  # noqa: PLC0415
@@ -112,6 +148,12 @@ def run(device: torch.device, dtypes=(torch.float32, torch.float16, torch.bfloat
         indices, bin_ids, bins, padded, w = _routing(tokens, experts, top_k, device, gen)
         cap = max(int(cf * tokens * top_k / experts), 1)
         n = tokens * top_k
+        start = time.perf_counter()
+        checked = _preparation(tokens, experts, top_k, cap, device, gen)
+        each = (time.perf_counter() - start) / len(checked)
+        for name, shape, ok in checked:
+            failures += not ok
+            rows.append((name, shape, "int", 0.0, "ok" if ok else "FAIL", each))
         for dtype in dtypes:
             x = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
             grad = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
@@ -167,9 +209,9 @@ def run(device: torch.device, dtypes=(torch.float32, torch.float16, torch.bfloat
             shape = f"{shape} B=128" + (" transposed" if name == "dsd" and args[8] else "")
             rows.append((name, shape, str(dtype)[6:], err, "ok" if ok else "FAIL", elapsed))
     if verbose:
-        print(f"{'kernel':22} {'shape':28} {'dtype':9} {'rel.err':>9}  status  seconds")
+        print(f"{'kernel':25} {'shape':28} {'dtype':9} {'rel.err':>9}  status  seconds")
         for name, shape, dt, err, status, elapsed in rows:
-            print(f"{name:22} {shape:28} {dt:9} {err:9.2e}  {status:6}  {elapsed:.3f}")
+            print(f"{name:25} {shape:28} {dt:9} {err:9.2e}  {status:6}  {elapsed:.3f}")
         print(f"selftest on {device}: {len(rows) - failures}/{len(rows)} passed")
     return 1 if failures else 0
 

@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megablocks_ascend import devices
+from megablocks_ascend import devices, envs
 from megablocks_ascend.compat import kernel
 
 DROPLESS, PADDED, BINNED = 0, 1, 2
@@ -483,6 +483,32 @@ def _wgrad_one(
 # --------------------------------------------------------------------------------------------
 # Launchers. They take validated, contiguous tensors (see megablocks_ascend.validation) and
 # never launch on empty work.
+#
+# Launch plans: a launcher derives its grid and constexprs (tile, grid, int32 or int64 offsets,
+# the experts' vector width...) from the sizes, dtype and device of the call alone, and a training
+# step makes the same few calls step after step. Each distinct call is planned once
+# (``_planned``); later calls find the plan by those facts, with the grid override of the
+# environment read on every call as part of the key. What remains per call is the output's
+# allocation, the route-map lookup and the launch: a host-bound step pays for every microsecond
+# above the launch (docs/notes/routing-preparation.md).
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096  # distinct calls kept (a new batch size is a new call); past that, start over
+
+
+def _planned(key, make):
+    """The plan ``make()`` returns for ``key``, made on the first call with that key."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = make()
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every launch plan (for tests that change the device tables)."""
+    _PLANS.clear()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -491,10 +517,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _walk_blocks(items: int, block_m: int, bins) -> int:
+def _walk_blocks(items: int, block_m: int, experts: int) -> int:
     """An upper bound on the blocks of a :func:`_walk` over ``items`` (each expert's last block may
     be partial): the work count that sizes the grid."""
-    return _cdiv(items, block_m) + bins.shape[0]
+    return _cdiv(items, block_m) + experts
 
 
 def _needs_int64(*numels: int) -> bool:
@@ -516,22 +542,32 @@ def _grid(device, work: int, num_programs):
     return (max(1, min(n, work)),)
 
 
+def _row_meta(t, hidden, **meta):
+    """The constexprs of a kernel that moves rows in feature tiles of ``t``."""
+    return dict(meta, BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, num_warps=t.num_warps)
+
+
 def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k,
                 capacity=0, tile=None, num_programs=None):
     """``out[r] = x[slot(r) // top_k] * weights[slot(r)]`` for every buffer row ``r`` (0 for padding)."""
-    hidden = x.shape[1]
-    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    tokens, hidden = x.shape
+    device = x.device
+    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=device)
     if num_rows == 0 or hidden == 0:
         return out
-    t = _tile("gather", x.dtype, hidden, x.device, tile, bins=bins)
-    _gather[_grid(x.device, _cdiv(num_rows, t.block_m), num_programs)](
-        x, out, indices, bins, padded_bins if padded_bins is not None else bins,
-        weights if weights is not None else x,
-        num_rows, indices.shape[0], bins.shape[0], hidden, capacity,
-        LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
-        INT64=_needs_int64(x.numel(), out.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
-    )
+    experts = bins.shape[0]
+
+    def plan():
+        t = _tile("gather", x.dtype, hidden, device, tile, bins=bins)
+        return _grid(device, _cdiv(num_rows, t.block_m), num_programs), _row_meta(
+            t, hidden, LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
+            INT64=_needs_int64(tokens * hidden, num_rows * hidden), BLOCK_E=devices.block_e(experts))
+
+    grid, meta = _planned(("gather", device, x.dtype, tokens, hidden, num_rows, experts, layout, top_k,
+                           weights is None, tile, num_programs, envs.num_programs_override()), plan)
+    _gather.launch(grid, x, out, indices, bins, padded_bins if padded_bins is not None else bins,
+                   weights if weights is not None else x, num_rows, indices.shape[0], experts, hidden, capacity,
+                   **meta)
     return out
 
 
@@ -539,24 +575,29 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
                        capacity=0, tile=None, num_programs=None):
     """:func:`gather_rows`' result, computed token-major: each token row is read once and written
     to its ``top_k`` rows (after :func:`route_map`); rows no assignment lands on are zeroed."""
-    hidden = x.shape[1]
+    tokens, hidden = x.shape
+    device = x.device
     # One spare row at the end takes the writes of dropped slots and padding (see _gather_tokens).
-    buffer = torch.empty((num_rows + 1, hidden), dtype=x.dtype, device=x.device)
+    buffer = torch.empty((num_rows + 1, hidden), dtype=x.dtype, device=device)
     out = buffer[:num_rows]
     if num_rows == 0 or hidden == 0:
         return out
     slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                             num_programs=num_programs)
-    t = _tile("gather", x.dtype, hidden, x.device, tile, top_k=top_k, bins=bins)
-    work = max(_cdiv(x.shape[0], t.block_m), _walk_blocks(num_rows, t.block_m, bins) if layout != DROPLESS else 0)
-    _gather_tokens[_grid(x.device, work, num_programs)](
-        x, buffer, slot_to_row, bins, padded_bins if padded_bins is not None else bins,
-        weights if weights is not None else x,
-        x.shape[0], num_rows, bins.shape[0], hidden, capacity,
-        LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
-        INT64=_needs_int64(x.numel(), buffer.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
-    )
+    experts = bins.shape[0]
+
+    def plan():
+        t = _tile("gather", x.dtype, hidden, device, tile, top_k=top_k, bins=bins)
+        walk = _walk_blocks(num_rows, t.block_m, experts) if layout != DROPLESS else 0
+        return _grid(device, max(_cdiv(tokens, t.block_m), walk), num_programs), _row_meta(
+            t, hidden, LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
+            INT64=_needs_int64(tokens * hidden, (num_rows + 1) * hidden), BLOCK_E=devices.block_e(experts))
+
+    grid, meta = _planned(("gather_tokens", device, x.dtype, tokens, hidden, num_rows, experts, layout, top_k,
+                           weights is None, tile, num_programs, envs.num_programs_override()), plan)
+    _gather_tokens.launch(grid, x, buffer, slot_to_row, bins, padded_bins if padded_bins is not None else bins,
+                          weights if weights is not None else x, tokens, num_rows, experts, hidden, capacity,
+                          **meta)
     return out
 
 
@@ -576,15 +617,23 @@ def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
 # object), so later calls reuse the first map. Keeping the map on the object (not in a table keyed
 # by data pointers) means it dies with its tensor and can never be found by another tensor that
 # happens to reuse the memory (as a CUDA graph pool or a memory checkpoint can arrange); the
-# version counters catch in-place changes. While a graph is being captured nothing is reused or
-# kept: each captured call records its own route-map launch, so no cached tensor crosses a capture
-# boundary (a few us of device time per extra launch, no host time at replay).
+# version counters catch in-place changes.
+#
+# Where the routing comes from the routing preparation (kernels/preparation.py), the map is
+# written by the same launch that writes ``indices`` and ``bins`` and kept from the start
+# (keep_route_map), so no routing call of the step launches anything to build it. A map is only
+# ever used under the capture state it was made in: one made while a graph is being captured
+# (only the preparation keeps those: its map and its ``indices`` are written by the same captured
+# launch, so every replay rewrites both together) serves the captured calls after it, and one made
+# outside a capture never serves a captured call, which records its own route-map launch instead:
+# no map computed outside a capture crosses into one (a few us of device time per extra launch,
+# no host time at replay).
 _ROUTE_MAP_ATTR = "_megablocks_ascend_route_maps"
 _route_map_token = object()  # replaced by clear_route_maps(); entries made under another are stale
 
 
 def clear_route_maps() -> None:
-    """Forget every cached route map (each op then pays for its map: for timing single ops)."""
+    """Forget every kept route map (each op then pays for its map: for timing single ops)."""
     global _route_map_token
     _route_map_token = object()
 
@@ -594,33 +643,50 @@ def _versions(indices, bins, padded_bins):
             None if padded_bins is None else (padded_bins._version, padded_bins.shape[0]))
 
 
-def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
-    """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped.
+def route_map_keepable(indices) -> bool:
+    """Whether a route map may be kept on ``indices`` for later calls: not on an inference tensor
+    (it has no version counter to tell an in-place change) and not inside :func:`devices.no_reuse`
+    (compiled graphs keep nothing on their tensors)."""
+    return devices.no_reuse_depth() == 0 and not indices.is_inference()
 
-    The result is cached on ``indices`` for this ``bins``/``padded_bins`` (see above) and must not
-    be modified."""
-    def compute():
-        return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
-                                  block_m=block_m, num_programs=num_programs)
 
-    if indices.is_inference() or bins.is_inference() or (padded_bins is not None and padded_bins.is_inference()) \
-            or not devices.reuse_allowed(indices.device):
-        # Inference tensors have no version counter to tell an in-place change; a capture keeps
-        # its own launches, and compiled graphs keep nothing (devices.no_reuse).
-        return compute()
+def _keep(indices, key, bins, padded_bins, slot_to_row, captured):
     maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
-    key = (layout, capacity)
-    hit = maps.get(key) if maps is not None else None
-    versions = _versions(indices, bins, padded_bins)
-    if hit is not None and hit[0] is _route_map_token and hit[1] is bins and hit[2] is padded_bins \
-            and hit[3] == versions:
-        return hit[4]
-    slot_to_row = compute()
     if maps is None:
         maps = {}
         setattr(indices, _ROUTE_MAP_ATTR, maps)
-    maps[key] = (_route_map_token, bins, padded_bins, versions, slot_to_row)
-    return slot_to_row
+    maps[key] = (_route_map_token, bins, padded_bins, _versions(indices, bins, padded_bins), captured, slot_to_row)
+
+
+def keep_route_map(indices, bins, padded_bins, slot_to_row, *, layout, capacity=0) -> None:
+    """Keep ``slot_to_row``, written by the launch that wrote ``indices`` and ``bins`` (the routing
+    preparation), as the route map of ``layout`` for the routing calls that follow; the caller
+    checked :func:`route_map_keepable`. Kept under the capture state of the moment (see above)."""
+    _keep(indices, (layout, capacity), bins, padded_bins, slot_to_row, devices.capturing_on(indices))
+
+
+def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
+    """``slot_to_row[a]``: the buffer row of assignment slot ``a``, or -1 where it was dropped.
+
+    Found on ``indices`` when the routing preparation or an earlier call of the step made it for this
+    ``bins``/``padded_bins`` (see above); else computed (one launch) and kept. Must not be modified."""
+    if devices.no_reuse_depth() == 0 and not indices.is_inference() and not bins.is_inference() \
+            and (padded_bins is None or not padded_bins.is_inference()):
+        captured = devices.capturing_on(indices)
+        maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
+        hit = maps.get((layout, capacity)) if maps is not None else None
+        if hit is not None and hit[0] is _route_map_token and hit[1] is bins and hit[2] is padded_bins \
+                and hit[4] is captured and hit[3] == _versions(indices, bins, padded_bins):
+            return hit[5]
+        slot_to_row = _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
+                                         block_m=block_m, num_programs=num_programs)
+        if not captured:  # a captured call keeps its own launch (see above)
+            _keep(indices, (layout, capacity), bins, padded_bins, slot_to_row, False)
+        return slot_to_row
+    # Inference tensors have no version counter to tell an in-place change; compiled graphs keep
+    # nothing (devices.no_reuse).
+    return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity, block_m=block_m,
+                              num_programs=num_programs)
 
 
 ROUTE_MAP_BLOCK_M = {"cpu": 64}  # positions per block; 128 elsewhere
@@ -628,16 +694,21 @@ ROUTE_MAP_BLOCK_M = {"cpu": 64}  # positions per block; 128 elsewhere
 
 def _compute_route_map(indices, bins, padded_bins, *, layout, capacity, block_m, num_programs):
     n = indices.shape[0]
-    slot_to_row = torch.empty(n, dtype=torch.int32, device=indices.device)
+    device = indices.device
+    slot_to_row = torch.empty(n, dtype=torch.int32, device=device)
     if n == 0:
         return slot_to_row
-    if block_m is None:
-        block_m = ROUTE_MAP_BLOCK_M.get(indices.device.type, 128)
-    _route_map[_grid(indices.device, _walk_blocks(n, block_m, bins), num_programs)](
-        indices, bins, padded_bins if padded_bins is not None else bins, slot_to_row,
-        n, bins.shape[0], capacity,
-        LAYOUT=layout, BLOCK_M=block_m, BLOCK_E=devices.block_e(bins.shape[0]),
-    )
+    experts = bins.shape[0]
+
+    def plan():
+        bm = block_m if block_m is not None else ROUTE_MAP_BLOCK_M.get(device.type, 128)
+        return _grid(device, _walk_blocks(n, bm, experts), num_programs), dict(
+            LAYOUT=layout, BLOCK_M=bm, BLOCK_E=devices.block_e(experts))
+
+    grid, meta = _planned(("route_map", device, n, experts, layout, block_m, num_programs,
+                           envs.num_programs_override()), plan)
+    _route_map.launch(grid, indices, bins, padded_bins if padded_bins is not None else bins, slot_to_row,
+                      n, experts, capacity, **meta)
     return slot_to_row
 
 
@@ -645,16 +716,22 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
     """``out[t] = sum_k weights[t*top_k+k] * y[slot_to_row[t*top_k+k]]`` (float32 sum, one write)."""
     hidden = y.shape[-1]
     y = y.reshape(-1, hidden)
-    out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
+    rows = y.shape[0]
+    device = y.device
+    out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=device)
     if num_tokens == 0 or hidden == 0:
         return out
-    t = _tile("scatter", y.dtype, hidden, y.device, tile, top_k=top_k)
-    _scatter[_grid(y.device, _cdiv(num_tokens, t.block_m), num_programs)](
-        y, out, slot_to_row, weights if weights is not None else y,
-        num_tokens, y.shape[0], hidden,
-        TOP_K=top_k, SCALE=weights is not None, INT64=_needs_int64(y.numel(), out.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, num_warps=t.num_warps,
-    )
+
+    def plan():
+        t = _tile("scatter", y.dtype, hidden, device, tile, top_k=top_k)
+        return _grid(device, _cdiv(num_tokens, t.block_m), num_programs), _row_meta(
+            t, hidden, TOP_K=top_k, SCALE=weights is not None,
+            INT64=_needs_int64(rows * hidden, num_tokens * hidden))
+
+    grid, meta = _planned(("scatter", device, y.dtype, rows, hidden, num_tokens, top_k, weights is None, tile,
+                           num_programs, envs.num_programs_override()), plan)
+    _scatter.launch(grid, y, out, slot_to_row, weights if weights is not None else y, num_tokens, rows, hidden,
+                    **meta)
     return out
 
 
@@ -663,19 +740,25 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
     """top_k == 1: ``out[indices[p]] = weights[indices[p]] * y[row(p)]`` (0 where dropped), one launch."""
     hidden = y.shape[-1]
     y = y.reshape(-1, hidden)
+    rows = y.shape[0]
     n = indices.shape[0]
-    buffer = torch.empty((n + 1, hidden), dtype=y.dtype, device=y.device)  # + the spare row
+    device = y.device
+    buffer = torch.empty((n + 1, hidden), dtype=y.dtype, device=device)  # + the spare row
     out = buffer[:n]
     if n == 0 or hidden == 0:
         return out
-    t = _tile("gather", y.dtype, hidden, y.device, tile, bins=bins)
-    _scatter_one[_grid(y.device, _walk_blocks(n, t.block_m, bins), num_programs)](
-        y, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
-        weights if weights is not None else y,
-        n, bins.shape[0], y.shape[0], hidden, capacity,
-        LAYOUT=layout, SCALE=weights is not None, INT64=_needs_int64(y.numel(), buffer.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
-    )
+    experts = bins.shape[0]
+
+    def plan():
+        t = _tile("gather", y.dtype, hidden, device, tile, bins=bins)
+        return _grid(device, _walk_blocks(n, t.block_m, experts), num_programs), _row_meta(
+            t, hidden, LAYOUT=layout, SCALE=weights is not None,
+            INT64=_needs_int64(rows * hidden, (n + 1) * hidden), BLOCK_E=devices.block_e(experts))
+
+    grid, meta = _planned(("scatter_one", device, y.dtype, rows, hidden, n, experts, layout, weights is None,
+                           tile, num_programs, envs.num_programs_override()), plan)
+    _scatter_one.launch(grid, y, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
+                        weights if weights is not None else y, n, experts, rows, hidden, capacity, **meta)
     return out
 
 
@@ -694,19 +777,24 @@ def wgrad_rows(y, grad, slot_to_row, *, top_k, tile=None, num_programs=None):
     """``out[a] = <y[slot_to_row[a]], grad[a // top_k]>`` in float32 (0 where dropped)."""
     hidden = y.shape[-1]
     y = y.reshape(-1, hidden)
+    rows = y.shape[0]
     n = slot_to_row.shape[0]
-    out = torch.empty(n, dtype=y.dtype, device=y.device)
+    device = y.device
+    out = torch.empty(n, dtype=y.dtype, device=device)
     if n == 0:
         return out
     if hidden == 0:
         return out.zero_()
-    t = _tile("wgrad", y.dtype, hidden, y.device, tile)
-    _wgrad[_grid(y.device, _cdiv(n, t.block_m), num_programs)](
-        y, grad, out, slot_to_row,
-        n, y.shape[0], hidden,
-        TOP_K=top_k, INT64=_needs_int64(y.numel(), grad.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, num_warps=t.num_warps,
-    )
+    grad_numel = grad.numel()
+
+    def plan():
+        t = _tile("wgrad", y.dtype, hidden, device, tile)
+        return _grid(device, _cdiv(n, t.block_m), num_programs), _row_meta(
+            t, hidden, TOP_K=top_k, INT64=_needs_int64(rows * hidden, grad_numel))
+
+    grid, meta = _planned(("wgrad", device, y.dtype, rows, hidden, n, grad_numel, top_k, tile, num_programs,
+                           envs.num_programs_override()), plan)
+    _wgrad.launch(grid, y, grad, out, slot_to_row, n, rows, hidden, **meta)
     return out
 
 
@@ -714,20 +802,27 @@ def wgrad_one_rows(y, grad, indices, bins, padded_bins, *, layout, capacity=0, t
     """top_k == 1: ``out[indices[p]] = <y[row(p)], grad[indices[p]]>`` in float32 (0 where dropped)."""
     hidden = y.shape[-1]
     y = y.reshape(-1, hidden)
+    rows = y.shape[0]
     n = indices.shape[0]
-    buffer = torch.empty(n + 1, dtype=y.dtype, device=y.device)  # + the spare element
+    device = y.device
+    buffer = torch.empty(n + 1, dtype=y.dtype, device=device)  # + the spare element
     out = buffer[:n]
     if n == 0:
         return out
     if hidden == 0:
         return out.zero_()
-    t = _tile("wgrad" if layout == DROPLESS else "wgrad_walk", y.dtype, hidden, y.device, tile, bins=bins)
-    _wgrad_one[_grid(y.device, _walk_blocks(n, t.block_m, bins), num_programs)](
-        y, grad, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
-        n, bins.shape[0], y.shape[0], hidden, capacity,
-        LAYOUT=layout, INT64=_needs_int64(y.numel(), grad.numel()),
-        BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, BLOCK_E=devices.block_e(bins.shape[0]), num_warps=t.num_warps,
-    )
+    experts = bins.shape[0]
+    grad_numel = grad.numel()
+
+    def plan():
+        t = _tile("wgrad" if layout == DROPLESS else "wgrad_walk", y.dtype, hidden, device, tile, bins=bins)
+        return _grid(device, _walk_blocks(n, t.block_m, experts), num_programs), _row_meta(
+            t, hidden, LAYOUT=layout, INT64=_needs_int64(rows * hidden, grad_numel), BLOCK_E=devices.block_e(experts))
+
+    grid, meta = _planned(("wgrad_one", device, y.dtype, rows, hidden, n, grad_numel, experts, layout, tile,
+                           num_programs, envs.num_programs_override()), plan)
+    _wgrad_one.launch(grid, y, grad, buffer, indices, bins, padded_bins if padded_bins is not None else bins,
+                      n, experts, rows, hidden, capacity, **meta)
     return out
 
 
@@ -762,8 +857,9 @@ def binned_scatter_wgrad(x, grad, indices, bins, top_k, **launch):
 
 
 def gather(x, indices, bin_ids, weights, bins, top_k, **launch):
-    return _gather_any(x, indices, bins, None, weights, layout=DROPLESS, top_k=top_k,
-                       num_rows=indices.shape[0], **launch)
+    launcher = gather_tokens_rows if top_k > 1 else gather_rows  # (_gather_any, one call less)
+    return launcher(x, indices, bins, None, weights, layout=DROPLESS, num_rows=indices.shape[0], top_k=top_k,
+                    **launch)
 
 
 def scatter(x, indices, bin_ids, weights, bins, top_k, **launch):

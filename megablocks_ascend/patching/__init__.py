@@ -50,6 +50,7 @@ ORDER = (
     "grouped_mlp_device_sizes",
     "shared_expert_bias",
     "llmfoundry_device_mesh",
+    "routing_preparation",
 )
 
 MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ORDER)

@@ -16,6 +16,7 @@ from megablocks_ascend.reference.routing import (  # noqa: F401
     padded_gather,
     padded_scatter,
     padded_scatter_wgrad,
+    prepare_routing,
     scatter,
     scatter_wgrad,
     slot_rows,

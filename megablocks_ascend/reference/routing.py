@@ -111,3 +111,30 @@ def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k):
 
 def padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k):
     return _wgrad(x, grad, slot_rows(indices, bins, padded_bins), top_k)
+
+
+def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
+    """The routing preparation (``megablocks_ascend.kernels.preparation.prepare_routing``):
+    ``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the router's expert ids, as
+    MegaBlocks' ``ops.sort`` / ``ops.histogram`` / ``ops.inclusive_cumsum`` (and ``ops.round_up``
+    for ``padded_bins``, None when ``block`` is 0) compute them. Ids outside ``[0, num_experts)``
+    count in no expert and sort after every valid one, in order. ``route`` and ``capacity`` (the
+    route map the Triton kernels write for their routing calls) are not used: this backend's
+    routing ops find each slot's row from ``bins`` themselves."""
+    del route, capacity
+    ids = top_experts.reshape(-1)
+    keys = ids.long()
+    valid = (keys >= 0) & (keys < num_experts)
+    keys = torch.where(valid, keys, num_experts)  # the invalid ones after every expert
+    order = torch.sort(keys, stable=True).indices
+    indices = order.int()
+    bin_ids = ids[order].int()
+    # A fixed-size scatter-add (not bincount or boolean indexing: no data-dependent size).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
+    tokens_per_expert = counts[:num_experts]
+    bins = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    padded_bins = None
+    if block:
+        padded_bins = torch.cumsum((tokens_per_expert + block - 1) // block * block, 0, dtype=torch.int32)
+    return indices, bin_ids, bins, tokens_per_expert, padded_bins

@@ -1,0 +1,282 @@
+"""Routing preparation: the router's expert ids -> everything the routing kernels take, in two launches.
+
+MegaBlocks prepares a step's routing with a radix sort of the expert ids (``ops.sort``: indices
+and bin_ids), a histogram (``tokens_per_expert``), inclusive cumsums (``bins``; for the sparse
+dMoE also ``ops.round_up`` and a cumsum: ``padded_bins``), and our token-major gathers and
+scatters then invert the sort (the route map). That is a dozen launches or more on a GPU (CUB's
+radix sort alone is several). Expert ids are small integers, so a **counting sort** does all of it
+in two:
+
+``_count``  each program counts the keys of its own contiguous chunk of the items: one
+            histogram row per program (``counts[p, e]``), plus the number of items whose key is
+            not a valid one (``counts[P * BLOCK_E + p]``).
+``_place``  each program reads every program's row (``P x BLOCK_E`` numbers), which gives the
+            totals (``tokens_per_expert``; their inclusive scan is ``bins``) and how many items
+            of each key the programs before it hold; then it walks its chunk in blocks of
+            ``BLOCK_M`` items, in order, and puts item ``i`` of key ``e`` at position
+            ``bins[e - 1] + (items of key e before this program) + (earlier items of key e in
+            this program)``. That is where a stable sort puts it: ``indices`` lists each expert's
+            assignments in increasing order, exactly what ``ops.sort`` gives. Program 0 writes
+            ``tokens_per_expert``, ``bins`` and ``padded_bins``; every program writes the route map
+            entries of its own items (``slot_to_row[i]``, contiguous stores: the slot is the item).
+
+Nothing decides an order through atomics or timing: each position is a sum of counts, so the
+result is the same on every run and every device, and it equals a stable sort's. Items whose key is
+not a valid one (only with ``MEGABLOCKS_ASCEND_CHECKS=0`` and a malformed router output: an id
+outside ``[0, num_experts)``) are counted in no expert and placed after every valid item, in order,
+so ``indices`` stays a permutation and nothing is written out of bounds; their route-map entry is
+-1 (dropped).
+
+Shape on the device: a 1-D grid of ``P`` programs (vector cores on an NPU, SMs on CUDA), each
+looping over its chunk in blocks of ``BLOCK_M`` items; every per-key quantity is a ``BLOCK_E``-wide
+vector and every block a ``[BLOCK_E, BLOCK_M]`` one-hot tile (which key each item has). An
+item's position is its key's cursor picked from the tile (``_pick``) plus its rank among the
+block's items of that key (a scan of the tile along the items), so the kernels use only
+element-wise ops, reductions and scans along an axis. The tile work is float32, not int32:
+compiled for an A2 vector core (``bishengir-compile``, docs/notes/routing-preparation.md), an
+int32 multiply-and-reduce over a ``[128, 32]`` tile needed 521 KiB of the 192 KiB Unified Buffer
+and the float32 one 123 KiB; float32 is exact here (0/1 times values below 2**16, sums of one
+term; ranks below 2**24). Keys are compared as float32 too: on Ascend's vector units an int32
+compare runs as scalar code (triton-ascend's performance guide). Offsets are int32 (the
+number of items is below 2**31, which validation checks).
+
+The same two kernels serve the ``megablocks_ops`` stand-in's ``sort`` (keys: a value's low
+``end_bit`` bits, ``key_mask``) and ``histogram`` (``_place`` with ``PLACE=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megablocks_ascend import devices
+from megablocks_ascend.compat import kernel
+from megablocks_ascend.kernels import routing
+
+NO_ROUTE = -1  # ROUTE: no route map; else the layout of the one to write (routing.DROPLESS, ...)
+_DROPLESS, _PADDED = tl.constexpr(routing.DROPLESS), tl.constexpr(routing.PADDED)
+
+
+@triton.jit
+def _keys(keys, items, inside, num_keys, key_mask):
+    """``(raw, key, valid)`` of ``items``: the stored value, its key (its low 32 bits ``& key_mask``,
+    int32) and whether the key is one of ``0 .. num_keys - 1`` (False outside ``inside``). The
+    range test is made on float32 copies (exact: the keys that pass are below 2**24), and an int64
+    value passes only if it fits int32 (its float32 copy equals its key's): no int64 or int32
+    vector compare (see the module docstring)."""
+    raw = tl.load(keys + items, mask=inside, other=0)
+    key = raw.to(tl.int32) & key_mask
+    key_f = key.to(tl.float32)
+    valid = inside & (key_f >= 0) & (key_f < num_keys)
+    if keys.dtype.element_ty == tl.int64:
+        valid = valid & (raw.to(tl.float32) == key_f)
+    return raw, key, valid
+
+
+@triton.jit
+def _onehot(key, valid, e_f):
+    """``[BLOCK_E, BLOCK_M]`` float32: 1 where item ``m`` has key ``e``, else 0 (an item without a
+    valid key: 0 everywhere)."""
+    k = tl.where(valid, key, -1).to(tl.float32)
+    return tl.where(e_f[:, None] == k[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _pick(hit, v):
+    """``v[key of m]`` for each item ``m`` (0 for an item without a valid key): the one-hot ``hit``
+    times ``v``, summed over the keys. In float32, whose products and sums of one term are exact
+    below 2**24, so ``v`` (int32) goes in two halves of 16 bits."""
+    hi = (v >> 16).to(tl.float32)
+    lo = (v & 65535).to(tl.float32)
+    return (tl.sum(hit * hi[:, None], axis=0).to(tl.int32) << 16) + tl.sum(hit * lo[:, None], axis=0).to(tl.int32)
+
+
+@triton.jit
+def _chunk(pid, chunk, num_items):
+    begin = pid * chunk
+    return begin, tl.minimum(begin + chunk, num_items)
+
+
+@kernel
+def _count(
+    keys, counts,
+    num_items, num_keys, key_mask, chunk,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    e = tl.arange(0, BLOCK_E)
+    e_f = e.to(tl.float32)
+    begin, end = _chunk(pid, chunk, num_items)
+    acc = tl.zeros((BLOCK_E,), tl.int32)
+    bad = tl.zeros((BLOCK_M,), tl.int32)
+    for m0 in range(begin, end, BLOCK_M):
+        items = m0 + m
+        inside = items < end
+        _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
+        acc += tl.sum(_onehot(key, valid, e_f), axis=1).to(tl.int32)
+        bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
+    tl.store(counts + pid * BLOCK_E + e, acc)
+    tl.store(counts + npg * BLOCK_E + pid, tl.sum(bad, axis=0))
+
+
+@kernel
+def _place(
+    keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row,
+    num_items, num_keys, key_mask, chunk, block, capacity,
+    PLACE: tl.constexpr, PADDED: tl.constexpr, ROUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    e = tl.arange(0, BLOCK_E)
+    e_f = e.to(tl.float32)
+    p = tl.arange(0, BLOCK_P)
+    # Every program's histogram row: the totals, and what the programs before this one hold.
+    total = tl.zeros((BLOCK_E,), tl.int32)
+    before = tl.zeros((BLOCK_E,), tl.int32)
+    bad_before = tl.zeros((BLOCK_P,), tl.int32)
+    for q0 in range(0, npg, BLOCK_P):
+        q = q0 + p
+        in_q = q < npg
+        rows = tl.load(counts + q[:, None] * BLOCK_E + e[None, :], mask=in_q[:, None], other=0)
+        earlier = (q < pid)[:, None]
+        total += tl.sum(rows, axis=0)
+        before += tl.sum(tl.where(earlier, rows, 0), axis=0)
+        if PLACE:  # (only the placement needs them)
+            bad = tl.load(counts + npg * BLOCK_E + q, mask=in_q, other=0)
+            bad_before += tl.where(q < pid, bad, 0)
+    ends = tl.cumsum(total, axis=0)  # inclusive: bins
+    starts = ends - total
+    if PADDED or ROUTE == _PADDED:  # (the launcher never asks for a padded map without PADDED)
+        padded = (total + block - 1) // block * block
+        padded_ends = tl.cumsum(padded, axis=0)
+    if pid == 0:
+        e_mask = e < num_keys
+        tl.store(tokens_per_expert + e, total, mask=e_mask)
+        tl.store(bins + e, ends, mask=e_mask)
+        if PADDED:
+            tl.store(padded_bins + e, padded_ends, mask=e_mask)
+    if PLACE:
+        begin, end = _chunk(pid, chunk, num_items)
+        cursor = starts + before  # the position of this program's next item of each key
+        bad_cursor = tl.sum(total, axis=0) + tl.sum(bad_before, axis=0)  # invalid keys: after all valid
+        if ROUTE == _PADDED:
+            shift = padded_ends - padded - starts  # a position of key e + shift[e]: its buffer row
+        for m0 in range(begin, end, BLOCK_M):
+            items = m0 + m
+            inside = items < end
+            raw, key, valid = _keys(keys, items, inside, num_keys, key_mask)
+            hit = _onehot(key, valid, e_f)
+            # earlier items of the same key in this block (float32: exact, at most BLOCK_M)
+            rank = tl.sum(hit * tl.cumsum(hit, axis=1), axis=0).to(tl.int32) - 1
+            pos = _pick(hit, cursor) + rank
+            bad = inside.to(tl.int32) - valid.to(tl.int32)  # items without a valid key
+            pos = tl.where(valid, pos, bad_cursor + tl.cumsum(bad, axis=0) - bad)
+            # Positions are sums of counts of these same keys, so they lie in [0, num_items); the
+            # mask keeps that true even if the keys changed between the two launches.
+            ok = inside & (pos >= 0) & (pos < num_items)
+            pos = tl.where(ok, pos, 0)
+            tl.store(indices + pos, items.to(indices.dtype.element_ty), mask=ok)
+            tl.store(bin_ids + pos, raw.to(bin_ids.dtype.element_ty), mask=ok)
+            if ROUTE >= 0:
+                if ROUTE == _DROPLESS:
+                    row = pos
+                elif ROUTE == _PADDED:
+                    row = pos + _pick(hit, shift)
+                else:  # binned: the first `capacity` positions of each expert are kept
+                    offset = _pick(hit, cursor - starts) + rank
+                    row = tl.where(offset < capacity, key * capacity + offset, -1)
+                tl.store(slot_to_row + items, tl.where(valid & ok, row, -1), mask=inside)
+            cursor += tl.sum(hit, axis=1).to(tl.int32)
+            bad_cursor += tl.sum(bad, axis=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers. They take validated tensors (megablocks_ascend.validation.check_preparation).
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _grid(device, n: int, block_m: int, num_programs):
+    """``(programs, chunk)``: the grid of both launches and the items per program (a multiple of
+    ``block_m``); no program is empty."""
+    work = _cdiv(n, block_m)
+    programs = num_programs if num_programs is not None else devices.num_programs(device, work, programs_per_sm=1)
+    programs = max(1, min(programs, work))
+    chunk = _cdiv(work, programs) * block_m
+    return _cdiv(n, chunk), chunk
+
+
+def _launch(keys, num_keys, key_mask, *, indices=None, bin_ids=None, block=0, route=NO_ROUTE, capacity=0,
+            tile=None, num_programs=None):
+    """Both launches over the flat ``keys``; returns ``(tokens_per_expert, bins, padded_bins, slot_to_row)``
+    and fills ``indices`` / ``bin_ids`` when given."""
+    n = keys.shape[0]
+    device = keys.device
+    t = tile if tile is not None else devices.prep_tile(num_keys, devices.target(device))
+    block_e = devices.block_e(num_keys)
+    tokens_per_expert = torch.empty(num_keys, dtype=torch.int32, device=device)
+    bins = torch.empty(num_keys, dtype=torch.int32, device=device)
+    padded_bins = torch.empty(num_keys, dtype=torch.int32, device=device) if block else None
+    slot_to_row = torch.empty(n, dtype=torch.int32, device=device) if route != NO_ROUTE else None
+    if n == 0:
+        for out in (tokens_per_expert, bins, padded_bins):
+            if out is not None:
+                out.zero_()
+        return tokens_per_expert, bins, padded_bins, slot_to_row
+    programs, chunk = _grid(device, n, t.block_m, num_programs)
+    counts = torch.empty(programs * (block_e + 1), dtype=torch.int32, device=device)
+    _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, BLOCK_M=t.block_m, BLOCK_E=block_e,
+                        num_warps=t.num_warps)
+    place = indices is not None
+    _place.launch(
+        (programs,), keys, counts, indices if place else counts, bin_ids if place else counts, tokens_per_expert, bins,
+        padded_bins if block else bins, slot_to_row if slot_to_row is not None else counts,
+        n, num_keys, key_mask, chunk, max(block, 1), capacity,
+        PLACE=place, PADDED=bool(block), ROUTE=route,
+        BLOCK_M=t.block_m, BLOCK_E=block_e, BLOCK_P=devices.prep_block_p(programs, block_e), num_warps=t.num_warps,
+    )
+    return tokens_per_expert, bins, padded_bins, slot_to_row
+
+
+def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=0, *, tile=None,
+                    num_programs=None):
+    """``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the router's expert ids, as
+    MegaBlocks computes them (``padded_bins``: each expert's count rounded up to a multiple of
+    ``block``; None when ``block`` is 0), in two launches.
+
+    ``route`` (a layout of :mod:`~megablocks_ascend.kernels.routing`, with ``capacity`` for the
+    binned one) also writes that layout's route map in the same launch and keeps it on ``indices``
+    for the routing calls of the step (:func:`routing.keep_route_map`), so none of them launches a
+    kernel to build it."""
+    keys = top_experts.reshape(-1)
+    n = keys.shape[0]
+    indices = torch.empty(n, dtype=torch.int32, device=keys.device)
+    bin_ids = torch.empty(n, dtype=torch.int32, device=keys.device)
+    keep = route != NO_ROUTE and routing.route_map_keepable(indices)
+    tokens_per_expert, bins, padded_bins, slot_to_row = _launch(
+        keys, num_experts, -1, indices=indices, bin_ids=bin_ids, block=block, route=route if keep else NO_ROUTE,
+        capacity=capacity, tile=tile, num_programs=num_programs)
+    if keep:
+        routing.keep_route_map(indices, bins, padded_bins if route == routing.PADDED else None,
+                               slot_to_row, layout=route, capacity=capacity if route == routing.BINNED else 0)
+    return indices, bin_ids, bins, tokens_per_expert, padded_bins
+
+
+def sort(x, end_bit, x_out, iota_out, *, tile=None, num_programs=None):
+    """``megablocks_ops.sort`` (a stable sort on the low ``end_bit`` bits) for ``end_bit`` up to
+    ``log2(devices.MAX_PREP_KEYS)``: ``x_out`` gets the sorted values, ``iota_out`` the permutation."""
+    _launch(x, 1 << end_bit, (1 << end_bit) - 1, indices=iota_out, bin_ids=x_out, tile=tile,
+            num_programs=num_programs)
+
+
+def histogram(x, num_bins, *, tile=None, num_programs=None):
+    """``megablocks_ops.histogram`` of a 1-D tensor: int32 counts of the values ``0 .. num_bins - 1``
+    (others ignored), for ``num_bins`` up to ``devices.MAX_PREP_KEYS``."""
+    return _launch(x, num_bins, -1, tile=tile, num_programs=num_programs)[0]

@@ -1,0 +1,100 @@
+"""The ``routing-preparation`` patch (page: ``patches/routing-preparation.md``):
+``ParallelMLP.indices_and_bins`` and ``ParallelDroplessMLP.indices_and_padded_bins`` prepare a step's
+routing with ``megablocks_ascend.ops.prepare_routing`` (on ``ascend`` a two-launch counting sort that
+also writes the route map of the layer's routing calls) instead of MegaBlocks' sort / histogram /
+cumsum sequence; the patch checks the fingerprint of upstream's code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megablocks_ascend.patching.registry import Patch, PatchError, expect_params, expect_source, owner
+
+
+def route_for(layer, top_experts: torch.Tensor, *, padded: bool = False) -> tuple[int, int]:
+    """``(route, capacity)``: the route map the routing calls after ``layer``'s preparation of
+    ``top_experts`` will ask for (``kernels.preparation.NO_ROUTE`` when they ask for none), so the
+    preparation writes it in the same launch.
+
+    top_k == 1: none (those kernels walk the positions in one launch). ``padded``: the sparse dMoE's
+    padded gather/scatter. The expert-parallel path gathers and scatters its local tokens
+    dropless before and after the all-to-all, as dMoE's grouped path does; ``MoE`` alone uses the
+    binned layout, with the capacity ``forward_once`` will compute (none when that is 0: the
+    capacity then comes from the counts, after the preparation). A wrong guess costs only what a
+    routing call without a prepared map costs: it computes its own."""
+    from megablocks.layers.dmoe import ParallelDroplessMLP  # noqa: PLC0415
+    from megablocks_ascend.kernels import preparation, routing  # noqa: PLC0415
+    if layer.top_k == 1:
+        return preparation.NO_ROUTE, 0
+    if padded:
+        return routing.PADDED, 0
+    if layer.args.moe_expert_model_parallelism or isinstance(layer, ParallelDroplessMLP):
+        return routing.DROPLESS, 0
+    capacity = layer.expert_capacity(top_experts.numel() // layer.top_k)
+    return (routing.BINNED, capacity) if capacity > 0 else (preparation.NO_ROUTE, 0)
+
+
+def _indices_and_bins(self, top_expert):
+    """``megablocks.layers.moe.ParallelMLP.indices_and_bins`` through the routing preparation
+    (``megablocks_ascend.ops.prepare_routing``): the same ``(indices, bin_ids, bins,
+    tokens_per_expert)`` as upstream's sort / histogram / cumsum, in two launches on ``ascend``,
+    with the route map of the layer's routing calls."""
+    from megablocks_ascend import ops  # noqa: PLC0415
+    route, capacity = route_for(self, top_expert)
+    indices, bin_ids, bins, tokens_per_expert, _ = ops.prepare_routing(top_expert, self.num_experts, 0, route,
+                                                                       capacity)
+    return indices, bin_ids, bins, tokens_per_expert
+
+
+def _indices_and_padded_bins(self, top_experts):
+    """``megablocks.layers.dmoe.ParallelDroplessMLP.indices_and_padded_bins`` through the routing
+    preparation: the same ``(indices, bin_ids, bins, padded_bins, tokens_per_expert)`` as upstream's
+    sort / histogram / round_up / cumsums, with the padded route map."""
+    from megablocks_ascend import ops  # noqa: PLC0415
+    route, _ = route_for(self, top_experts, padded=True)
+    indices, bin_ids, bins, tokens_per_expert, padded_bins = ops.prepare_routing(
+        top_experts, self.num_experts, self.blocking, route, 0)
+    return indices, bin_ids, bins, padded_bins, tokens_per_expert
+
+
+# The methods replaced: the fingerprint (registry.source_fingerprint) of MegaBlocks 0.10.0's code,
+# and its parameters.
+PREPARATION_METHODS = {
+    "megablocks.layers.moe:ParallelMLP.indices_and_bins": (_indices_and_bins, "ce89f7d65adff247",
+                                                          ("self", "top_expert")),
+    "megablocks.layers.dmoe:ParallelDroplessMLP.indices_and_padded_bins": (
+        _indices_and_padded_bins, "d077f149e389288d", ("self", "top_experts")),
+}
+
+
+def apply(p: Patch) -> None:
+    for target, (replacement, fingerprint, params) in PREPARATION_METHODS.items():
+        cls, attr = owner(target)
+        original = cls.__dict__.get(attr)
+        if original is None:
+            raise PatchError(f"{target} is missing")
+        expect_params(target, original, params)
+        expect_source(target, original, fingerprint)
+        replacement.__wrapped__ = original
+        p.replace(target, replacement)
+
+
+PATCH = Patch(
+    name="routing-preparation",
+    targets=tuple(PREPARATION_METHODS),
+    why="Before its routing calls every MoE / dMoE step sorts the router's expert ids with a radix "
+        "sort (ops.sort), histograms them (ops.histogram) and takes cumsums (ops.inclusive_cumsum; "
+        "the sparse dMoE also ops.round_up and a second cumsum): a dozen or more small launches, "
+        "each host time on an NPU, and our token-major routing kernels then invert the sort in a "
+        "launch of their own.",
+    how="ParallelMLP.indices_and_bins and ParallelDroplessMLP.indices_and_padded_bins call "
+        "megablocks_ascend.ops.prepare_routing, dispatched by MEGABLOCKS_BACKEND: a two-launch "
+        "stable counting sort (ascend) that also writes the route map of the layer's routing calls "
+        "(kept on indices), the PyTorch reference (torch), or upstream's own sort / histogram / "
+        "cumsum sequence (cuda). Same results as upstream's; the patch refuses to install over a "
+        "changed upstream body.",
+    upstream_fix="A fused routing-preparation op in megablocks.ops (one counting sort of the expert "
+                 "ids giving indices, bin_ids, bins and padded bins) that backends can register.",
+    apply=apply,
+)
