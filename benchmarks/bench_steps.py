@@ -40,6 +40,9 @@ not work) is an error row with the exception, and the run goes on. Per row:
                step, idle gaps (host-bound stretches, syncs) included;
 ``host ms``    per step, the median host time of one ``step()`` call (enqueue; a sync inside
                the step makes it wait);
+``enq ms``     eager only: host ms to enqueue one step onto an idle device (a sync before and
+               after it), median: the step's own host cost, where ``host ms`` of consecutive steps
+               also holds the waits for a device that is the bottleneck;
 ``kernel ms``  per step, the sum of the durations of the GPU kernels (and memcpy/memset) that
                ``torch.profiler`` records over ``--profile-steps`` steps, divided by them;
 ``gemm ms``    the part of kernel ms spent in matrix-multiply kernels (kernel names matching
@@ -323,6 +326,24 @@ def time_steps(run, device, steps):
     return statistics.median(host), statistics.median(host)
 
 
+def enqueue_time(run, device, steps):
+    """Host ms to enqueue one step onto an idle device (synchronized before and after each step),
+    the median over ``steps``: the host cost of the step itself. ``host ms`` (consecutive steps)
+    also holds the waits for the device once it is the bottleneck (a full launch queue, an
+    allocator call that synchronizes), so where wall ~ host it cannot tell a host-bound step from
+    a device-bound one; this can. A step with a sync inside still waits for the device up to it."""
+    if device.type != "cuda":
+        return None
+    host = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(host)
+
+
 def kernel_times(run, device, steps):
     """GPU time per step by kernel name (ms): the kernels (and memcpy/memset) torch.profiler records
     over ``steps`` steps, divided by them; ``{}`` off CUDA."""
@@ -441,6 +462,7 @@ def run_variant(v, case, reference, eager_of_backend, args, device):
                 row["floor_ms"] = row["gemm_ms"] + row["routing_ms"]
                 row["x_floor"] = row["wall_ms"] / row["floor_ms"]
         if v.mode == "eager":
+            row["enqueue_ms"] = enqueue_time(run, device, args.steps)
             row["syncs"] = count_syncs(run, device)
             row["launches"], lines = count_launches(run, device, args.launches_by_line)
             if lines is not None:
@@ -563,7 +585,7 @@ def table(rows):
         v = r.get(key)
         return format(v, fmt).rjust(width) if v is not None else "-".rjust(width)
     head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} {'type':4s} "
-            f"{'fill':5s} {'wall ms':>8s} {'host ms':>8s} {'kern ms':>8s} {'gemm ms':>8s} {'other ms':>8s} "
+            f"{'fill':5s} {'wall ms':>8s} {'host ms':>8s} {'enq ms':>7s} {'kern ms':>8s} {'gemm ms':>8s} {'other ms':>8s} "
             f"{'floor ms':>8s} {'x floor':>7s} {'busy':>5s} {'syncs':>5s} {'launch':>6s} {'kernels':>7s} {'vs up':>6s} "
             f"{'err':>8s} {'self':>8s}")
     out = [head]
@@ -572,7 +594,7 @@ def table(rows):
             out.append(_lead(r) + "ERROR " + r["error"].splitlines()[0][:100])
             continue
         out.append(_lead(r) + f(r, "wall_ms", ".3f", 8) + " " + f(r, "host_ms", ".3f", 8) + " "
-                   + f(r, "kernel_ms", ".3f", 8) + " " + f(r, "gemm_ms", ".3f", 8) + " " + f(r, "other_ms", ".3f", 8)
+                   + f(r, "enqueue_ms", ".3f", 7) + " " + f(r, "kernel_ms", ".3f", 8) + " " + f(r, "gemm_ms", ".3f", 8) + " " + f(r, "other_ms", ".3f", 8)
                    + " " + f(r, "floor_ms", ".3f", 8) + " " + f(r, "x_floor", ".2f", 6) + "x"
                    + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
                    + " " + f(r, "launches", "d", 6) + " " + f(r, "kernels", ".0f", 7)
