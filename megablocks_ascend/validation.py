@@ -117,13 +117,7 @@ def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, pa
     if experts == 0:
         _fail(op, "bins", "must have one entry per expert, got 0 entries")
     n = indices.shape[0]
-    if n % top_k != 0:
-        _fail(op, "indices", f"has {n} assignments, which is not a multiple of top_k={top_k}")
-    if x_rows == "tokens":
-        if n != x.shape[0] * top_k:
-            _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {x.shape[0]} * {top_k}")
-    elif x_rows == "assignments" and x.shape[0] != n:
-        _fail(op, "x", f"must have one row per assignment ({n}), got {x.shape[0]}")
+    _check_assignments(op, x, n, top_k, x_rows)
     if bin_ids is not None:
         _tensor(op, "bin_ids", bin_ids, 1, INDEX_DTYPES)
         if bin_ids.shape[0] != n:
@@ -132,18 +126,7 @@ def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, pa
         _tensor(op, "padded_bins", padded_bins, 1, INDEX_DTYPES)
         if padded_bins.shape[0] != experts:
             _fail(op, "padded_bins", f"has {padded_bins.shape[0]} entries, expected one per expert ({experts})")
-    if weights is not None:
-        _tensor(op, "weights", weights, 1, FLOAT_DTYPES)
-        if weights.shape[0] != n:
-            _fail(op, "weights", f"has {weights.shape[0]} entries, expected one per assignment ({n})")
-    if expert_capacity is not None and (type(expert_capacity) is not int or expert_capacity < 0):
-        _int(op, "expert_capacity", expert_capacity, 0)
-    if grad is not None:
-        _tensor(op, "grad", grad, 2, FLOAT_DTYPES)
-        if grad.shape != (n // top_k, x.shape[-1]):
-            _fail(op, "grad", f"must have shape {(n // top_k, x.shape[-1])}, got {tuple(grad.shape)}")
-    if x_ndim == 3 and x.shape[0] != experts:
-        _fail(op, "x", f"has {x.shape[0]} experts but 'bins' has {experts}")
+    _check_call(op, x, x_ndim, n, experts, top_k, weights, expert_capacity, grad)
     device = x.device
     if indices.device != device or bins.device != device \
             or (bin_ids is not None and bin_ids.device != device) \
@@ -157,14 +140,8 @@ def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, pa
     return False
 
 
-def _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_capacity, grad, x_rows,
-                         values_checked):
-    """The checks of :func:`check_routing_args` that the routing preparation does not answer: the
-    call's own arguments and how they fit the routing (the same checks, in the same order)."""
-    if type(top_k) is not int or top_k < 1:
-        _int(op, "top_k", top_k, 1)
-    experts = bins.shape[0]
-    n = indices.shape[0]
+def _check_assignments(op, x, n, top_k, x_rows):
+    """``n`` assignments against ``top_k`` and against ``x``'s rows (see :func:`check_routing`)."""
     if n % top_k != 0:
         _fail(op, "indices", f"has {n} assignments, which is not a multiple of top_k={top_k}")
     if x_rows == "tokens":
@@ -172,6 +149,11 @@ def _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_ca
             _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {x.shape[0]} * {top_k}")
     elif x_rows == "assignments" and x.shape[0] != n:
         _fail(op, "x", f"must have one row per assignment ({n}), got {x.shape[0]}")
+
+
+def _check_call(op, x, x_ndim, n, experts, top_k, weights, expert_capacity, grad):
+    """The call's own arguments against the routing: router weights, capacity, output gradient,
+    and an expert-major ``x``'s expert count."""
     if weights is not None:
         _tensor(op, "weights", weights, 1, FLOAT_DTYPES)
         if weights.shape[0] != n:
@@ -184,6 +166,18 @@ def _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_ca
             _fail(op, "grad", f"must have shape {(n // top_k, x.shape[-1])}, got {tuple(grad.shape)}")
     if x_ndim == 3 and x.shape[0] != experts:
         _fail(op, "x", f"has {x.shape[0]} experts but 'bins' has {experts}")
+
+
+def _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_capacity, grad, x_rows,
+                         values_checked):
+    """The checks of :func:`check_routing_args` that the routing preparation does not answer: the
+    call's own arguments and how they fit the routing (the same checks, in the same order)."""
+    if type(top_k) is not int or top_k < 1:
+        _int(op, "top_k", top_k, 1)
+    experts = bins.shape[0]
+    n = indices.shape[0]
+    _check_assignments(op, x, n, top_k, x_rows)
+    _check_call(op, x, x_ndim, n, experts, top_k, weights, expert_capacity, grad)
     device = x.device
     if indices.device != device or (weights is not None and weights.device != device) \
             or (grad is not None and grad.device != device):

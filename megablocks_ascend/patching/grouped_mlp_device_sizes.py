@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megablocks_ascend import grouped_mlp
-from megablocks_ascend.patching.registry import Patch, PatchError, expect_params, expect_source, owner
+from megablocks_ascend.patching.registry import Patch, PatchError, expect_source, owner, replace_followed
 
 
 def expert_batch_sizes(layer, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -113,14 +113,7 @@ def apply(p: Patch) -> None:
         expect_source(target, grouped_mlp._inner(method), fingerprint)
     grouped_mlp.bind()
     for target, (replacement, fingerprint) in GROUPED_FORWARDS.items():
-        cls, attr = owner(target)
-        original = cls.__dict__.get(attr)
-        if original is None:
-            raise PatchError(f"{target} is missing")
-        expect_params(target, original, ("self", "x", "tokens_per_expert"))
-        expect_source(target, original, fingerprint)
-        replacement.__wrapped__ = original
-        p.replace(target, replacement)
+        replace_followed(p, target, replacement, fingerprint, ("self", "x", "tokens_per_expert"))
 
 
 PATCH = Patch(

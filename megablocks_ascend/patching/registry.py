@@ -206,6 +206,22 @@ def expect_source(target: str, fn: Any, fingerprint: str) -> None:
             "megablocks-ascend version")
 
 
+def replace_followed(p: Patch, target: str, replacement: Callable, fingerprint: str,
+                     params: tuple[str, ...]) -> None:
+    """Replace the function ``target`` (``module:Class.attr``) by ``replacement``, a function that
+    follows its code, only where upstream's still takes ``params`` and its body still has
+    ``fingerprint`` (a changed body is refused, not silently replaced by a copy of the old one).
+    The original is kept as ``replacement.__wrapped__``."""
+    cls, attr = owner(target)
+    original = cls.__dict__.get(attr)
+    if original is None:
+        raise PatchError(f"{target} is missing")
+    expect_params(target, original, params)
+    expect_source(target, original, fingerprint)
+    replacement.__wrapped__ = original
+    p.replace(target, replacement)
+
+
 def redecorate(p: Patch, cls_target: str, upstream: tuple[Callable, Callable], ours: tuple[Callable, Callable],
                what: str) -> None:
     """Re-decorate ``cls_target``'s ``forward``/``backward``: their undecorated functions (found

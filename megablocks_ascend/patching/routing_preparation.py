@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megablocks_ascend.patching.registry import Patch, PatchError, expect_params, expect_source, owner
+from megablocks_ascend.patching.registry import Patch, replace_followed
 
 
 def route_for(layer, top_experts: torch.Tensor, *, padded: bool = False) -> tuple[int, int]:
@@ -70,14 +70,7 @@ PREPARATION_METHODS = {
 
 def apply(p: Patch) -> None:
     for target, (replacement, fingerprint, params) in PREPARATION_METHODS.items():
-        cls, attr = owner(target)
-        original = cls.__dict__.get(attr)
-        if original is None:
-            raise PatchError(f"{target} is missing")
-        expect_params(target, original, params)
-        expect_source(target, original, fingerprint)
-        replacement.__wrapped__ = original
-        p.replace(target, replacement)
+        replace_followed(p, target, replacement, fingerprint, params)
 
 
 PATCH = Patch(
