@@ -42,7 +42,9 @@ def _run_python(code, python=sys.executable, **env):
 
 
 def test_driverless_patch_is_applied_exactly_where_stk_cannot_be_imported_alone():
-    alone = _run_python("import stk")  # no plugin: what a user of this Triton sees
+    # No plugin: what a user of this Triton sees. The autoload must be off, or importing stk would
+    # import the plugin first (and apply the patch) wherever the package is installed.
+    alone = _run_python("import stk", MEGABLOCKS_ASCEND_AUTOLOAD="0")
     if alone.returncode != 0:
         assert "0 active drivers" in alone.stderr, alone.stderr  # any other failure: a broken env
     needed = alone.returncode != 0
@@ -233,7 +235,7 @@ def test_interpreter_index_patch_is_applied_exactly_where_the_interpreter_fails_
             print("works", out.tolist())
         except Exception as e:
             print("fails", repr(e))
-    """)
+    """, MEGABLOCKS_ASCEND_AUTOLOAD="0")  # the autoload off: this Triton without the plugin
     assert alone.returncode == 0, alone.stderr
     fails = alone.stdout.startswith("fails")
     if fails:
