@@ -38,7 +38,7 @@ VENV="${VENV:-$venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-$torch_spec}"
 TRITON_SPEC="${TRITON_SPEC:-$triton_spec}"
-TOOLS=(numpy packaging "pytest>=8" "hypothesis>=6" absl-py matplotlib)
+TOOLS=(numpy packaging "pytest>=8" "pytest-xdist>=3" "hypothesis>=6" absl-py matplotlib)
 UPSTREAM=(megablocks==0.10.0 stanford-stk==0.7.1)
 LLMFOUNDRY=(llm-foundry==0.22.0 mosaicml==0.32.1 mosaicml-streaming==0.12.0)
 REQS=("$TORCH_SPEC" "$TRITON_SPEC" "${TOOLS[@]}" "${UPSTREAM[@]}")
