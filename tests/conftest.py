@@ -57,3 +57,28 @@ def device() -> torch.device:
     if dev.type == "npu" and not (hasattr(torch, "npu") and torch.npu.is_available()):
         pytest.exit(f"{TEST_DEVICE_VAR}={name}, but torch sees no NPU", returncode=2)
     return dev
+
+
+POISON = -123456789  # fits int32; never a valid index, id or count in these tests
+
+
+class _PoisonedTorch:
+    """``torch`` as a launcher module sees it, except that ``empty`` returns poisoned memory: NaN
+    for floating dtypes, ``POISON`` for integers (-999 for int16), so an element a kernel forgets
+    to write shows up instead of reading as a plausible zero."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(-999 if t.dtype == torch.int16 else POISON)
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """``poison_empty(module)``: ``module``'s ``torch.empty`` returns poisoned memory for this test."""
+    return lambda module: monkeypatch.setattr(module, "torch", _PoisonedTorch())

@@ -34,24 +34,9 @@ from megablocks_ascend.native import megablocks_ops as native
 from test_native_ops import sort_loop
 
 NO_ROUTE = preparation.NO_ROUTE
-POISON = -123456789  # fits int32; never a valid index, id or count here
-
-
-class _PoisonTorch:
-    """``torch`` as the launchers see it, except that ``empty`` returns poisoned memory."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        t = torch.empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(POISON if t.dtype != torch.int16 else -999)
-
-
 @pytest.fixture
-def poisoned(monkeypatch):
-    monkeypatch.setattr(preparation, "torch", _PoisonTorch())
+def poisoned(poison_empty):
+    poison_empty(preparation)
 
 
 def loop_reference(ids, num_experts, block):

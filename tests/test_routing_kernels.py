@@ -236,21 +236,9 @@ def upstream_result(upstream_kernels, family, fn, case, inp):
     return _UPSTREAM[key]
 
 
-class _PoisonTorch:
-    """``torch`` as the launchers see it, except that ``empty`` returns poisoned memory."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        t = torch.empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0)
-
-
 @pytest.fixture
-def poisoned_empty(monkeypatch):
-    monkeypatch.setattr(routing, "torch", _PoisonTorch())
+def poisoned_empty(poison_empty):
+    poison_empty(routing)
 
 
 def run(backend: str, fn: str, case: Case, args):
