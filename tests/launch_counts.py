@@ -406,15 +406,6 @@ def layer_step(layer: str, *, experts: int = 16, top_k: int = 4, tokens: int = 6
         raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
     device = torch.device(device)
     torch.manual_seed(seed)
-    args = Arguments(hidden_size=hidden, ffn_hidden_size=ffn, moe_num_experts=experts, moe_top_k=top_k,
-                     moe_capacity_factor=1, mlp_impl="sparse" if layer == "dMoE-sparse" else "grouped",
-                     bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, return_bias=False,
-                     device=torch.cuda.current_device() if device.type == "cuda" else device)
-    module = (MoE if layer == "MoE" else dMoE)(args)
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
-    x = torch.randn(tokens, 1, hidden, device=device, generator=gen).to(dtype).requires_grad_()
-    g = torch.randn(tokens, 1, hidden, device=device, generator=gen).to(dtype)
-
     def serving():
         from megablocks_ascend import backends  # noqa: PLC0415
         if backend is None:
@@ -422,6 +413,20 @@ def layer_step(layer: str, *, experts: int = 16, top_k: int = 4, tokens: int = 6
         if backend == "upstream":
             return backends.use_backend("cuda") if device.type == "cuda" else upstream_kernels()
         return backends.use_backend(backend)
+
+    # A named backend serves the construction too: MegaBlocks' refusal of mlp_impl="sparse" is lifted
+    # (or kept) in Arguments by the backend that will serve stk's matmuls on the layer's device, and
+    # under MEGABLOCKS_BACKEND=auto that is stk's own kernels on CUDA. ("upstream" builds as the
+    # environment says: on CPU its context takes our patches back, the refusal's lifting included.)
+    with serving() if backend not in (None, "upstream") else contextlib.nullcontext():
+        args = Arguments(hidden_size=hidden, ffn_hidden_size=ffn, moe_num_experts=experts, moe_top_k=top_k,
+                         moe_capacity_factor=1, mlp_impl="sparse" if layer == "dMoE-sparse" else "grouped",
+                         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, return_bias=False,
+                         device=torch.cuda.current_device() if device.type == "cuda" else device)
+    module = (MoE if layer == "MoE" else dMoE)(args)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.randn(tokens, 1, hidden, device=device, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(tokens, 1, hidden, device=device, generator=gen).to(dtype)
 
     def step():
         module.zero_grad(set_to_none=True)
