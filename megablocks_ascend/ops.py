@@ -32,6 +32,7 @@ import torch
 
 from megablocks_ascend import backends, library
 from megablocks_ascend.autocast import custom_bwd, custom_fwd
+from megablocks_ascend.native import grouped_gemm
 
 
 class _Kernels:
@@ -198,12 +199,19 @@ def prepare_routing(top_experts, num_experts: int, block: int = 0, route: int = 
     On ``ascend`` it is two launches, and ``route`` (a routing layout, ``capacity`` for the binned
     one) names the route map to write in them for the routing calls that follow; see
     :func:`megablocks_ascend.backends.prepare_routing`. A ``torch.library`` custom op while
-    ``torch.compile`` traces."""
+    ``torch.compile`` traces.
+
+    ``bins`` is kept on ``tokens_per_expert`` as the group ends of the grouped GEMMs that take it
+    as their ``batch_sizes`` over the step's assignments (the grouped dMoE's expert MLP), so they
+    launch nothing to compute them (:func:`~megablocks_ascend.native.grouped_gemm.keep_group_ends`)."""
     if torch.compiler.is_compiling():
         indices, bin_ids, bins, tokens_per_expert, padded_bins = library.prepare_routing(
             top_experts, num_experts, block, route, capacity)
         return indices, bin_ids, bins, tokens_per_expert, padded_bins if block else None
-    return backends.prepare_routing(top_experts, num_experts, block, route, capacity)
+    prepared = backends.prepare_routing(top_experts, num_experts, block, route, capacity)
+    indices, _, bins, tokens_per_expert, _ = prepared
+    grouped_gemm.keep_group_ends(tokens_per_expert, bins, rows=indices.shape[0])
+    return prepared
 
 
 OPS = {

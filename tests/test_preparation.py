@@ -30,6 +30,7 @@ from megablocks_ascend import backends, devices, library, ops, patching, referen
 from megablocks_ascend.patching import routing_preparation
 from megablocks_ascend.devices import PrepTile
 from megablocks_ascend.kernels import preparation, routing
+from megablocks_ascend.native import grouped_gemm
 from megablocks_ascend.native import megablocks_ops as native
 from test_native_ops import sort_loop
 
@@ -591,3 +592,75 @@ def test_selftest_checks_the_preparation(monkeypatch):
     monkeypatch.setattr(preparation, "prepare_routing", wrong)
     checked = selftest._preparation(40, 6, 2, 20, torch.device("cpu"), gen)
     assert [ok for _, _, ok in checked] == [False, False, False, True, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# The preparation's bins as the grouped GEMM's group ends
+
+
+@pytest.mark.skipif(not grouped_gemm._cpu_supports_grouped_mm(),
+                    reason=f"torch {torch.__version__} has no CPU kernel for torch._grouped_mm (needs torch >= 2.9)")
+@pytest.mark.parametrize("backend", ["ascend", "torch"])
+def test_the_preparations_bins_serve_the_grouped_gemms_as_group_ends(backend, monkeypatch):
+    """``ops.prepare_routing`` keeps ``bins`` on ``tokens_per_expert`` as the group ends of the
+    grouped GEMMs over its assignments: forward, data gradient and weight gradient launch only the
+    GEMM (no clamp / cumsum / cast of the sizes), equal the float64 reference, and the weight
+    gradient of the empty expert is exactly zero. An in-place change of ``bins`` or of the sizes,
+    GEMMs over another number of rows, and a graph capture all compute their own ends again."""
+    from launch_counts import LaunchCounter  # noqa: PLC0415
+
+    ids = torch.tensor([[3, 0], [0, 3], [1, 3], [3, 1], [0, 1]])  # expert 2 gets nothing
+    with backends.use_backend(backend):
+        indices, _, bins, tokens_per_expert, _ = ops.prepare_routing(ids, 4)
+    rows, sizes = indices.shape[0], tokens_per_expert.tolist()
+    assert sizes == [3, 3, 0, 4]
+    kept = tokens_per_expert.__dict__[grouped_gemm._GROUPS_ATTR]
+    assert kept.ends is bins and kept.offsets is bins  # (int32: nothing to cast)
+    assert kept.counts.dtype == torch.int64 and kept.counts.tolist() == sizes  # npu_grouped_matmul's group_list
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, 16, generator=gen, dtype=torch.float64).float()
+    w = torch.randn(4, 8, 16, generator=gen, dtype=torch.float64).float()
+    grad = torch.randn(rows, 8, generator=gen, dtype=torch.float64).float()
+
+    def reference():
+        a64, w64, g64 = a.double(), w.double(), grad.double()
+        ends = [0] + torch.tensor(sizes).cumsum(0).tolist()
+        out, da, dw = torch.empty(rows, 8, dtype=torch.float64), torch.empty_like(a64), torch.zeros_like(w64)
+        for e in range(4):
+            s = slice(ends[e], ends[e + 1])
+            out[s], da[s], dw[e] = a64[s] @ w64[e].t(), g64[s] @ w64[e], g64[s].t() @ a64[s]
+        return out, da, dw
+
+    def step(batch_sizes):
+        a_, w_ = a.clone().requires_grad_(), w.clone().requires_grad_()
+        with LaunchCounter() as counter:
+            out = grouped_gemm.ops.gmm(a_, w_, batch_sizes, trans_b=True)
+            out.backward(grad)
+        return (out.detach(), a_.grad, w_.grad), counter.by_name()
+
+    results, launched = step(tokens_per_expert)
+    assert launched == {"aten._grouped_mm.default": 3}, launched
+    for got, want in zip(results, reference()):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(results[2][2]) == 0
+
+    def recomputes(batch_sizes):
+        results, launched = step(batch_sizes)
+        for got, want in zip(results, reference()):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        return launched.get("aten.cumsum.default", 0) == 1
+
+    bins.add_(0)  # a new version of the ends: no longer vouched for
+    assert recomputes(tokens_per_expert)
+    with backends.use_backend(backend):
+        _, _, bins, tokens_per_expert, _ = ops.prepare_routing(ids, 4)
+    tokens_per_expert.add_(0)  # a new version of the sizes
+    assert recomputes(tokens_per_expert)
+    with backends.use_backend(backend):
+        _, _, _, tokens_per_expert, _ = ops.prepare_routing(ids[:4], 4)  # 8 assignments, not 10
+    kept = tokens_per_expert.__dict__[grouped_gemm._GROUPS_ATTR]
+    assert kept.key[1] == 8 and not kept.current((tokens_per_expert._version, rows))
+    monkeypatch.setattr(grouped_gemm, "_capturing", lambda device: True)
+    with backends.use_backend(backend):
+        _, _, _, tokens_per_expert, _ = ops.prepare_routing(ids, 4)
+    assert grouped_gemm._GROUPS_ATTR not in tokens_per_expert.__dict__  # nothing kept during a capture

@@ -86,6 +86,7 @@ import functools
 import re
 import threading
 import types
+import weakref
 
 import torch
 
@@ -576,12 +577,27 @@ class _DeviceGroups:
     """Group ends and the quantities derived from them, computed on the device from
     ``batch_sizes`` without reading it: ``ends[g] = min(sum(max(batch_sizes[:g+1], 0)), rows)``,
     non-decreasing and at most ``rows``, so every group is a slice inside the operands even when
-    ``batch_sizes`` is malformed (its values are checked only with MEGABLOCKS_ASCEND_CHECKS=1)."""
+    ``batch_sizes`` is malformed (its values are checked only with MEGABLOCKS_ASCEND_CHECKS=1).
 
-    def __init__(self, key, batch_sizes, rows: int):
+    ``ends`` given: group ends that the caller computed with ``batch_sizes`` and vouches for
+    (:func:`keep_group_ends`); nothing is launched, and the group is stale once ``ends`` changes."""
+
+    def __init__(self, key, batch_sizes, rows: int, ends=None):
         self.key = key
-        self.ends = batch_sizes.clamp(min=0).cumsum(0).clamp_(max=rows)   # int64
         self._derived = {}
+        if ends is None:
+            self.ends = batch_sizes.clamp(min=0).cumsum(0).clamp_(max=rows)   # int64
+            self._ends_version = self._sizes = None
+        else:
+            self.ends = ends
+            self._ends_version = ends._version
+            # The sizes are the ends' differences (npu_grouped_matmul's group_list: one cast). A weak
+            # reference: these groups are kept on batch_sizes itself.
+            self._sizes = weakref.ref(batch_sizes)
+
+    def current(self, key) -> bool:
+        """Whether these groups still describe ``batch_sizes`` at ``key`` (its version, the rows)."""
+        return self.key == key and (self._ends_version is None or self.ends._version == self._ends_version)
 
     def _get(self, name, make):
         value = self._derived.get(name)
@@ -597,6 +613,9 @@ class _DeviceGroups:
     @property
     def counts(self):
         """int64 per-group sizes consistent with ``ends`` (npu_grouped_matmul's ``group_list``)."""
+        sizes = self._sizes() if self._sizes is not None else None
+        if sizes is not None:
+            return self._get('counts', lambda: sizes.to(torch.int64))
         return self._get('counts', lambda: torch.diff(self.ends, prepend=self.ends.new_zeros(1)))
 
     @property
@@ -605,21 +624,41 @@ class _DeviceGroups:
         return self._get('empty', lambda: (self.counts == 0).view(-1, 1, 1))
 
 
+def _reusable(batch_sizes) -> bool:
+    """Whether group ends may be kept on ``batch_sizes`` for later GEMMs: not an inference tensor
+    (no version counter), not during a graph capture (each captured call records its own small
+    kernels), not inside a compiled graph (where a tensor kept on one of the graph's tensors would
+    outlive the graph untracked: CUDA-graph trees refuse it)."""
+    return not (batch_sizes.is_inference() or _capturing(batch_sizes.device) or _in_custom_op.depth)
+
+
 def _device_groups(batch_sizes, rows: int) -> _DeviceGroups:
     """The :class:`_DeviceGroups` of ``batch_sizes``, computed once per tensor (and version)
     and kept on the tensor object itself, so the GEMMs of one step (forward and backward get
     the same ``tokens_per_expert``) share it and it dies with the tensor. Not reused while a
     graph is being captured: each captured call records its own small kernels."""
-    if batch_sizes.is_inference() or _capturing(batch_sizes.device) or _in_custom_op.depth:
-        # No version counter / inside a capture / inside a compiled graph (where a tensor kept on
-        # one of the graph's tensors would outlive the graph untracked: CUDA-graph trees refuse it).
+    if not _reusable(batch_sizes):
         return _DeviceGroups(None, batch_sizes, rows)
     key = (batch_sizes._version, rows)
     groups = batch_sizes.__dict__.get(_GROUPS_ATTR)
-    if groups is None or groups.key != key:
+    if groups is None or not groups.current(key):
         groups = _DeviceGroups(key, batch_sizes, rows)
         setattr(batch_sizes, _GROUPS_ATTR, groups)
     return groups
+
+
+def keep_group_ends(batch_sizes, ends, rows: int) -> None:
+    """Let the grouped GEMMs over ``rows`` rows grouped by ``batch_sizes`` take ``ends`` as their
+    group ends instead of computing them (a clamp, a cumsum, a clamp and a cast: four launches per
+    step). The caller vouches for the values: ``ends`` is the inclusive cumsum of ``batch_sizes``,
+    whose entries are non-negative and sum to at most ``rows`` (the routing preparation's ``bins``
+    and ``tokens_per_expert``, with ``rows`` its number of assignments). Kept under the rules of
+    :func:`_device_groups`; a later in-place change of either tensor, or GEMMs over another number
+    of rows, compute their own ends as before."""
+    if not _reusable(batch_sizes) or ends.is_inference() or ends.device != batch_sizes.device \
+            or ends.shape != batch_sizes.shape:
+        return
+    setattr(batch_sizes, _GROUPS_ATTR, _DeviceGroups((batch_sizes._version, rows), batch_sizes, rows, ends))
 
 
 def _finish(out, c):
