@@ -19,16 +19,6 @@ class Subcommand(NamedTuple):
     run: Callable[[argparse.Namespace], int]
 
 
-def _lower_arguments(parser: argparse.ArgumentParser) -> None:
-    from megablocks_ascend.cli import lowering  # noqa: PLC0415
-    lowering.add_arguments(parser)
-
-
-def _lower(args: argparse.Namespace) -> int:
-    from megablocks_ascend.cli import lowering  # noqa: PLC0415
-    return lowering.main(args)
-
-
 def _module_command(module: str, help: str) -> Subcommand:
     """A subcommand whose module has ``add_arguments(parser)`` and ``main(args) -> int``."""
     import importlib  # noqa: PLC0415
@@ -47,9 +37,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "megablocks_ascend.cli.selftest",
         "compare every routing kernel with the torch backend on this machine's device (run this "
         "first on an NPU)"),
-    "lower": Subcommand(
+    "lower": _module_command(
+        "megablocks_ascend.cli.lowering.command",
         "lower every routing kernel with triton-ascend's front end (needs the lowering venv: "
-        "tools/ascend_lowering_env.sh)", _lower_arguments, _lower),
+        "tools/ascend_lowering_env.sh)"),
 }
 
 
