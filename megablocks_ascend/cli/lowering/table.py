@@ -117,13 +117,14 @@ def _one_slot(p: Problem) -> dict:  # _scatter_one, _wgrad_one
 
 _ROUTING = dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES)
 _ROW_TILE = ("BLOCK_M", "BLOCK_X", "EVEN_X")
+_ROW_TILE_E = ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X")  # and the bins' BLOCK_E
 ROUTING_KERNELS = (
     KernelSpec("_gather", "gather", dict(_ROUTING, LAYOUT=LAYOUTS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True,
+               _ROW_TILE_E, ("x", "out", "weights"), True,
                lambda p: dict(num_rows=p.rows, num_positions=p.positions, num_experts=p.experts, hidden=p.hidden,
                               capacity=p.capacity)),
     KernelSpec("_gather_tokens", "gather", dict(_ROUTING, LAYOUT=LAYOUTS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("x", "out", "weights"), True,
+               _ROW_TILE_E, ("x", "out", "weights"), True,
                lambda p: dict(num_tokens=TOKENS, num_rows=p.rows, num_experts=p.experts, hidden=p.hidden,
                               capacity=p.capacity), unrolls_top_k=True),
     KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False,
@@ -132,11 +133,11 @@ ROUTING_KERNELS = (
                _ROW_TILE, ("y", "out", "weights"), True,
                lambda p: dict(num_tokens=TOKENS, num_rows=p.positions, hidden=p.hidden), unrolls_top_k=True),
     KernelSpec("_scatter_one", "gather", dict(_ROUTING, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("y", "out", "weights"), True, _one_slot),
+               _ROW_TILE_E, ("y", "out", "weights"), True, _one_slot),
     KernelSpec("_wgrad", "wgrad", dict(_ROUTING, TOP_K=TOP_KS, INT64=BOOLS), _ROW_TILE, ("y", "grad", "out"), True,
                lambda p: dict(num_slots=p.positions, num_rows=p.positions, hidden=p.hidden)),
     KernelSpec("_wgrad_one", "wgrad", dict(_ROUTING, LAYOUT=LAYOUTS, INT64=BOOLS),
-               ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X"), ("y", "grad", "out"), True, _one_slot),
+               _ROW_TILE_E, ("y", "grad", "out"), True, _one_slot),
 )
 
 
