@@ -12,9 +12,10 @@ worker thread that ran the compiler (:data:`.gate.READINGS`: the memory plan, :m
 
 What fails a configuration (:func:`classify`): any compiler error other than the absent ``hivmc``
 (a buffer that does not fit at all is an error: ``ub overflow, requires N bits while M bits
-available``, ``cc overflow``), a handoff without the planned module, and the note
-``[NOTE] Ub overflow detected; automatically set enable-auto-multi-buffer to false`` (or ``Cbuf``):
-the compiler then succeeds silently without the double-buffering the kernel was sized for.
+available``, ``cc overflow``), a handoff without the planned module or with one a reading
+cannot read, and the note ``[NOTE] Ub overflow detected; automatically set
+enable-auto-multi-buffer to false`` (or ``Cbuf``): the compiler then succeeds silently without the
+double-buffering the kernel was sized for.
 
 Nothing here imports triton; the functions that read triton-ascend's source take it as text.
 """
