@@ -298,9 +298,8 @@ def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
     else:
         out = upstream_preparation(top_experts, num_experts, block, route, capacity)
     indices, bin_ids, bins, _, padded_bins = out
-    if devices.no_reuse_depth() == 0 and not indices.is_inference():
-        # Well-formed by construction: the step's routing calls need not check it again (validation).
-        validation.mark_prepared(indices, bins, bin_ids, padded_bins, values_checked=envs.checks_enabled())
+    # Well-formed by construction: the step's routing calls need not check it again (validation).
+    validation.mark_prepared(indices, bins, bin_ids, padded_bins, values_checked=envs.checks_enabled())
     return out
 
 

@@ -71,11 +71,9 @@ choice; the budget keeps each K-step's slices within L0 so it need not split the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import threading
 
 import torch
 
@@ -150,59 +148,6 @@ def _core_count(device_type: str, index: int) -> int:
         props = triton.runtime.driver.active.utils.get_device_properties(index)
         return int(props["num_vectorcore"])
     raise ValueError(device_type)
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether a graph is being captured on ``device``'s current stream (``torch.cuda.graph``,
-    ``torch.npu.graph``, CUDA-graph trees under ``torch.compile(mode="reduce-overhead")``). On an
-    NPU whose torch_npu has no such query the answer is True: callers then keep nothing across a
-    possible capture boundary, which is always safe."""
-    kind = device.type
-    if kind == "cuda":
-        return torch.cuda.is_current_stream_capturing()
-    if kind == "npu":
-        query = getattr(getattr(torch, "npu", None), "is_current_stream_capturing", None)
-        return True if query is None else bool(query())
-    return False
-
-
-def capturing_on(t: torch.Tensor) -> bool:
-    """:func:`capturing` for ``t``'s device (a CPU tensor answers without looking at its device)."""
-    return False if t.is_cpu else capturing(t.device)
-
-
-class _NoReuse(threading.local):
-    depth = 0
-
-
-_no_reuse = _NoReuse()
-
-
-@contextlib.contextmanager
-def no_reuse():
-    """Within this block, kernels compute what they would otherwise reuse from an earlier call of
-    the step (the route map kept on ``indices``). The ``torch.library`` custom ops that compiled
-    graphs call run in it: under CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) a
-    compiled graph's warm-up runs outside a capture but allocates from the graph's pool, and a
-    tensor kept on one of the graph's tensors would outlive it untracked, which CUDA-graph trees
-    refuse ("tensor(s) in the cudagraph pool not tracked as outputs")."""
-    _no_reuse.depth += 1
-    try:
-        yield
-    finally:
-        _no_reuse.depth -= 1
-
-
-def no_reuse_depth() -> int:
-    """How many :func:`no_reuse` blocks this thread is in (0: kernels may keep and reuse results)."""
-    return _no_reuse.depth
-
-
-def reuse_allowed(device: torch.device) -> bool:
-    """Whether a kernel may keep a result for later calls of the step and reuse one: not inside
-    :func:`no_reuse`, and not while a graph is being captured on ``device`` (each captured call
-    records its own launches)."""
-    return _no_reuse.depth == 0 and not capturing(device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from megablocks_ascend import backends, devices, validation
+from megablocks_ascend import backends, keeping, validation
 
 _NS = "megablocks_ascend"
 
@@ -28,7 +28,7 @@ _NS = "megablocks_ascend"
 @torch.library.custom_op(f"{_NS}::binned_gather", mutates_args=())
 def binned_gather(x: Tensor, indices: Tensor, weights: Optional[Tensor], bins: Tensor,
                   expert_capacity: int, top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["binned_gather"](x, indices, weights, bins, expert_capacity, top_k)
 
 
@@ -39,7 +39,7 @@ def _(x, indices, weights, bins, expert_capacity, top_k):
 
 @torch.library.custom_op(f"{_NS}::binned_scatter", mutates_args=())
 def binned_scatter(x: Tensor, indices: Tensor, weights: Optional[Tensor], bins: Tensor, top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["binned_scatter"](x, indices, weights, bins, top_k)
 
 
@@ -50,7 +50,7 @@ def _(x, indices, weights, bins, top_k):
 
 @torch.library.custom_op(f"{_NS}::binned_scatter_wgrad", mutates_args=())
 def binned_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bins: Tensor, top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["binned_scatter_wgrad"](x, grad, indices, bins, top_k)
 
 
@@ -62,7 +62,7 @@ def _(x, grad, indices, bins, top_k):
 @torch.library.custom_op(f"{_NS}::gather", mutates_args=())
 def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
            top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["gather"](x, indices, bin_ids, weights, bins, top_k)
 
 
@@ -74,7 +74,7 @@ def _(x, indices, bin_ids, weights, bins, top_k):
 @torch.library.custom_op(f"{_NS}::scatter", mutates_args=())
 def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
             top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["scatter"](x, indices, bin_ids, weights, bins, top_k)
 
 
@@ -86,7 +86,7 @@ def _(x, indices, bin_ids, weights, bins, top_k):
 @torch.library.custom_op(f"{_NS}::scatter_wgrad", mutates_args=())
 def scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
                   top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["scatter_wgrad"](x, grad, indices, bin_ids, bins, top_k)
 
 
@@ -98,7 +98,7 @@ def _(x, grad, indices, bin_ids, bins, top_k):
 @torch.library.custom_op(f"{_NS}::padded_gather", mutates_args=())
 def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
                   padded_bins: Tensor, top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["padded_gather"](x, indices, bin_ids, weights, bins, padded_bins, top_k)
 
 
@@ -111,7 +111,7 @@ def _(x, indices, bin_ids, weights, bins, padded_bins, top_k):
 @torch.library.custom_op(f"{_NS}::padded_scatter", mutates_args=())
 def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
                    padded_bins: Tensor, top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["padded_scatter"](x, indices, bin_ids, weights, bins, padded_bins, top_k)
 
 
@@ -123,7 +123,7 @@ def _(x, indices, bin_ids, weights, bins, padded_bins, top_k):
 @torch.library.custom_op(f"{_NS}::padded_scatter_wgrad", mutates_args=())
 def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
                          padded_bins: Tensor, top_k: int) -> Tensor:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return backends.KERNELS["padded_scatter_wgrad"](x, grad, indices, bin_ids, bins, padded_bins, top_k)
 
 
@@ -140,7 +140,7 @@ OPS = {name: globals()[name] for name in backends.SPECS}
 @torch.library.custom_op(f"{_NS}::prepare_routing", mutates_args=())
 def prepare_routing(top_experts: Tensor, num_experts: int, block: int, route: int,
                     capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    with devices.no_reuse():  # compiled graphs: nothing kept on their tensors (no route map either)
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors (no route map either)
         indices, bin_ids, bins, tokens_per_expert, padded_bins = backends.prepare_routing(
             top_experts, num_experts, block, route, capacity)
     return indices, bin_ids, bins, tokens_per_expert, padded_bins if padded_bins is not None else bins.new_empty(0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megablocks_ascend import envs
+from megablocks_ascend import envs, keeping
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -68,33 +68,29 @@ def check_routing(op, *, x, x_ndim, indices, bins, top_k, bin_ids=None, weights=
 # well-formed by construction: 1-D int32 on one device, ``indices`` a permutation, ``bin_ids`` and
 # ``bins`` consistent, ``padded_bins`` covering ``bins``; and, where the preparation checked the
 # router's ids (MEGABLOCKS_ASCEND_CHECKS=1), ``bins`` ends at the number of assignments. The
-# preparation records that on ``indices`` (:func:`mark_prepared`), and a routing call that passes
-# those very tensors, unchanged since (their version counters), is not checked for it again: the
-# checks hold, and each of a step's five routing calls would otherwise repeat them (with the value
-# checks on, a device-to-host sync each). Anything else about the call is checked as always.
+# preparation records that on ``indices`` (:func:`mark_prepared`, under the rule of
+# :mod:`megablocks_ascend.keeping`), and a routing call that passes those very tensors, unchanged
+# since, is not checked for it again: the checks hold, and each of a step's five routing calls
+# would otherwise repeat them (with the value checks on, a device-to-host sync each). Anything
+# else about the call is checked as always.
 _PREPARED_ATTR = "_megablocks_ascend_prepared"
 
 
 def mark_prepared(indices, bins, bin_ids, padded_bins, values_checked: bool) -> None:
-    """Record that these routing tensors come from one routing preparation (see above); the
-    caller made sure they are not inference tensors (which have no version counter)."""
-    setattr(indices, _PREPARED_ATTR, (bins, bin_ids, padded_bins, values_checked,
-                                      _prepared_versions(indices, bins, bin_ids, padded_bins)))
-
-
-def _prepared_versions(indices, bins, bin_ids, padded_bins):
-    return (indices._version, bins._version, bin_ids._version,
-            None if padded_bins is None else padded_bins._version)
+    """Record that these routing tensors come from one routing preparation (see above), where
+    :func:`keeping.keepable` allows it. The record holds whatever the capture state."""
+    if keeping.keepable(indices):
+        keeping.keep(indices, _PREPARED_ATTR, values_checked, companions=(bins, bin_ids, padded_bins))
 
 
 def _prepared(indices, bins, bin_ids, padded_bins):
-    """The routing preparation's record of these tensors, or None (see above)."""
-    rec = indices.__dict__.get(_PREPARED_ATTR) if isinstance(indices, torch.Tensor) else None
-    if rec is None or rec[0] is not bins or (bin_ids is not None and rec[1] is not bin_ids) \
-            or (padded_bins is not None and rec[2] is not padded_bins) \
-            or rec[4] != _prepared_versions(indices, bins, rec[1], rec[2]):
+    """Whether the routing preparation made these tensors (see above): None if not, else whether
+    it checked their values. A call without ``bin_ids`` or ``padded_bins`` (the binned ops have
+    neither) is not compared on them."""
+    if not isinstance(indices, torch.Tensor):
         return None
-    return rec
+    return keeping.kept(indices, _PREPARED_ATTR, (), (bins, keeping.ANY if bin_ids is None else bin_ids,
+                                                      keeping.ANY if padded_bins is None else padded_bins))
 
 
 def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, padded_bins, expert_capacity, grad,
@@ -107,7 +103,7 @@ def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, pa
     prepared = _prepared(indices, bins, bin_ids, padded_bins)
     if prepared is not None:  # the routing tensors as the preparation made them (see above)
         _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_capacity, grad, x_rows,
-                             prepared[3])
+                             prepared)
         return True
     _tensor(op, "indices", indices, 1, INDEX_DTYPES)
     _tensor(op, "bins", bins, 1, INDEX_DTYPES)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import megablocks.ops as mb_ops
 import megablocks_ascend
 import reference_impl as ref
-from megablocks_ascend import backends, devices, library, ops, patching, reference, validation
+from megablocks_ascend import backends, devices, keeping, library, ops, patching, reference, validation
 from megablocks_ascend.patching import routing_preparation
 from megablocks_ascend.devices import PrepTile
 from megablocks_ascend.kernels import preparation, routing
@@ -240,7 +240,7 @@ class _Recording:
 
 def test_route_map_is_kept_only_where_it_can_be_trusted(monkeypatch):
     ids = _ids(8, 2, 4)
-    with devices.no_reuse():  # compiled graphs keep nothing
+    with keeping.no_reuse():  # compiled graphs keep nothing
         indices = preparation.prepare_routing(ids, 4, 0, routing.DROPLESS)[0]
     assert routing._ROUTE_MAP_ATTR not in indices.__dict__
     with torch.inference_mode():  # no version counter
@@ -260,18 +260,18 @@ def test_route_map_kept_under_a_capture_serves_that_capture_only(monkeypatch):
     indices, so captured calls may use it; eager calls do not, and a map made outside a capture
     never serves a captured call (which records its own launch)."""
     ids = _ids(8, 2, 4)
-    monkeypatch.setattr(devices, "capturing_on", lambda t: True)
+    monkeypatch.setattr(keeping, "capturing_on", lambda t: True)
     indices, _, bins, _, _ = preparation.prepare_routing(ids, 4, 0, routing.DROPLESS)
     kept = kept_route_map(indices, bins, None, routing.DROPLESS, 0, monkeypatch)
-    monkeypatch.setattr(devices, "capturing_on", lambda t: True)
+    monkeypatch.setattr(keeping, "capturing_on", lambda t: True)
     assert routing.route_map(indices, bins, None, layout=routing.DROPLESS) is kept
-    monkeypatch.setattr(devices, "capturing_on", lambda t: False)
+    monkeypatch.setattr(keeping, "capturing_on", lambda t: False)
     assert routing.route_map(indices, bins, None, layout=routing.DROPLESS) is not kept
     eager_indices, _, eager_bins, _, _ = preparation.prepare_routing(ids, 4, 0, routing.DROPLESS)
     eager = routing.route_map(eager_indices, eager_bins, None, layout=routing.DROPLESS)
-    monkeypatch.setattr(devices, "capturing_on", lambda t: True)
+    monkeypatch.setattr(keeping, "capturing_on", lambda t: True)
     assert routing.route_map(eager_indices, eager_bins, None, layout=routing.DROPLESS) is not eager
-    monkeypatch.setattr(devices, "capturing_on", lambda t: False)
+    monkeypatch.setattr(keeping, "capturing_on", lambda t: False)
     assert routing.route_map(eager_indices, eager_bins, None, layout=routing.DROPLESS) is eager
 
 
@@ -660,7 +660,7 @@ def test_the_preparations_bins_serve_the_grouped_gemms_as_group_ends(backend, mo
         _, _, _, tokens_per_expert, _ = ops.prepare_routing(ids[:4], 4)  # 8 assignments, not 10
     kept = tokens_per_expert.__dict__[grouped_gemm._GROUPS_ATTR]
     assert kept.key[1] == 8 and not kept.current((tokens_per_expert._version, rows))
-    monkeypatch.setattr(grouped_gemm, "_capturing", lambda device: True)
+    monkeypatch.setattr(keeping, "capturing", lambda device: True)
     with backends.use_backend(backend):
         _, _, _, tokens_per_expert, _ = ops.prepare_routing(ids, 4)
     assert grouped_gemm._GROUPS_ATTR not in tokens_per_expert.__dict__  # nothing kept during a capture

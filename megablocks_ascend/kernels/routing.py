@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megablocks_ascend import devices, envs
+from megablocks_ascend import devices, envs, keeping
 from megablocks_ascend.compat import kernel
 
 DROPLESS, PADDED, BINNED = 0, 1, 2
@@ -614,10 +614,10 @@ def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
 # Route maps, kept on the routing tensor they were computed from. One MegaBlocks layer step asks
 # for the same map up to five times (forward gather and scatter, their backwards, the weight
 # gradient) with the same ``indices`` tensor object (autograd hands saved inputs back as the same
-# object), so later calls reuse the first map. Keeping the map on the object (not in a table keyed
-# by data pointers) means it dies with its tensor and can never be found by another tensor that
-# happens to reuse the memory (as a CUDA graph pool or a memory checkpoint can arrange); the
-# version counters catch in-place changes.
+# object), so later calls reuse the first map. It is kept under the rule of
+# :mod:`megablocks_ascend.keeping` (on the object, not in a table keyed by data pointers; by the
+# version counters and lengths of ``indices``, ``bins`` and ``padded_bins``; never on inference
+# tensors or inside ``keeping.no_reuse``), one map per layout and capacity.
 #
 # Where the routing comes from the routing preparation (kernels/preparation.py), the map is
 # written by the same launch that writes ``indices`` and ``bins`` and kept from the start
@@ -629,7 +629,7 @@ def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
 # no map computed outside a capture crosses into one (a few us of device time per extra launch,
 # no host time at replay).
 _ROUTE_MAP_ATTR = "_megablocks_ascend_route_maps"
-_route_map_token = object()  # replaced by clear_route_maps(); entries made under another are stale
+_route_map_token = object()  # replaced by clear_route_maps(); maps kept under another are stale
 
 
 def clear_route_maps() -> None:
@@ -638,31 +638,26 @@ def clear_route_maps() -> None:
     _route_map_token = object()
 
 
-def _versions(indices, bins, padded_bins):
-    return (indices._version, indices.shape[0], bins._version, bins.shape[0],
-            None if padded_bins is None else (padded_bins._version, padded_bins.shape[0]))
-
-
 def route_map_keepable(indices) -> bool:
-    """Whether a route map may be kept on ``indices`` for later calls: not on an inference tensor
-    (it has no version counter to tell an in-place change) and not inside :func:`devices.no_reuse`
-    (compiled graphs keep nothing on their tensors)."""
-    return devices.no_reuse_depth() == 0 and not indices.is_inference()
+    """Whether a route map may be kept on ``indices`` for later calls (:func:`keeping.keepable`)."""
+    return keeping.keepable(indices)
 
 
-def _keep(indices, key, bins, padded_bins, slot_to_row, captured):
-    maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
-    if maps is None:
-        maps = {}
-        setattr(indices, _ROUTE_MAP_ATTR, maps)
-    maps[key] = (_route_map_token, bins, padded_bins, _versions(indices, bins, padded_bins), captured, slot_to_row)
+def _for(indices, bins, padded_bins):
+    """What a route map is for, besides its layout and capacity (its key in :mod:`keeping`)."""
+    return (indices.shape[0], bins.shape[0], None if padded_bins is None else padded_bins.shape[0], _route_map_token)
+
+
+def _keep(indices, layout, capacity, bins, padded_bins, slot_to_row, captured, what):
+    keeping.keep(indices, _ROUTE_MAP_ATTR, slot_to_row, what, (bins, padded_bins), captured, (layout, capacity))
 
 
 def keep_route_map(indices, bins, padded_bins, slot_to_row, *, layout, capacity=0) -> None:
     """Keep ``slot_to_row``, written by the launch that wrote ``indices`` and ``bins`` (the routing
     preparation), as the route map of ``layout`` for the routing calls that follow; the caller
     checked :func:`route_map_keepable`. Kept under the capture state of the moment (see above)."""
-    _keep(indices, (layout, capacity), bins, padded_bins, slot_to_row, devices.capturing_on(indices))
+    _keep(indices, layout, capacity, bins, padded_bins, slot_to_row, keeping.capturing_on(indices),
+          _for(indices, bins, padded_bins))
 
 
 def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, num_programs=None):
@@ -670,23 +665,18 @@ def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, n
 
     Found on ``indices`` when the routing preparation or an earlier call of the step made it for this
     ``bins``/``padded_bins`` (see above); else computed (one launch) and kept. Must not be modified."""
-    if devices.no_reuse_depth() == 0 and not indices.is_inference() and not bins.is_inference() \
-            and (padded_bins is None or not padded_bins.is_inference()):
-        captured = devices.capturing_on(indices)
-        maps = indices.__dict__.get(_ROUTE_MAP_ATTR)
-        hit = maps.get((layout, capacity)) if maps is not None else None
-        if hit is not None and hit[0] is _route_map_token and hit[1] is bins and hit[2] is padded_bins \
-                and hit[4] is captured and hit[3] == _versions(indices, bins, padded_bins):
-            return hit[5]
+    if not keeping.keepable(indices, bins, padded_bins):
+        return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity, block_m=block_m,
+                                  num_programs=num_programs)
+    captured = keeping.capturing_on(indices)
+    what = _for(indices, bins, padded_bins)
+    slot_to_row = keeping.kept(indices, _ROUTE_MAP_ATTR, what, (bins, padded_bins), captured, (layout, capacity))
+    if slot_to_row is None:
         slot_to_row = _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                                          block_m=block_m, num_programs=num_programs)
-        if not captured:  # a captured call keeps its own launch (see above)
-            _keep(indices, (layout, capacity), bins, padded_bins, slot_to_row, False)
-        return slot_to_row
-    # Inference tensors have no version counter to tell an in-place change; compiled graphs keep
-    # nothing (devices.no_reuse).
-    return _compute_route_map(indices, bins, padded_bins, layout=layout, capacity=capacity, block_m=block_m,
-                              num_programs=num_programs)
+        if not captured:  # a captured call keeps nothing it computed (see above)
+            _keep(indices, layout, capacity, bins, padded_bins, slot_to_row, False, what)
+    return slot_to_row
 
 
 ROUTE_MAP_BLOCK_M = {"cpu": 64}  # positions per block; 128 elsewhere

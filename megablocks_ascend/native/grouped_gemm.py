@@ -76,19 +76,22 @@ argument (the real one fails a ``TORCH_CHECK``); the kernel paths compute into
 a fresh tensor and copy into a caller-supplied ``c`` rather than writing it in
 place.
 
-This module imports only ``torch`` (``torch_npu`` lazily, in the NPU branch) so
-that it can be loaded on its own, before the rest of megablocks_ascend.
+This module imports only ``torch`` and :mod:`megablocks_ascend.keeping` (which imports
+only ``torch``; ``torch_npu`` lazily, in the NPU branch; the package's ``envs`` and
+``devices`` at their first use) so that it can be loaded on its own, before the rest
+of megablocks_ascend.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-import threading
 import types
 import weakref
 
 import torch
+
+from megablocks_ascend import keeping
 
 __all__ = [
     'gmm',
@@ -555,49 +558,37 @@ def _zero_empty_device(out, groups):
 _GROUPS_ATTR = '_megablocks_ascend_gmm_groups'
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether a graph is being captured on ``device``'s current stream. A torch_npu without
-    the query counts as capturing, so that nothing is reused across a capture boundary."""
-    if device.type == 'cuda':
-        return torch.cuda.is_current_stream_capturing()
-    if device.type == 'npu':
-        query = getattr(getattr(torch, 'npu', None), 'is_current_stream_capturing', None)
-        return True if query is None else bool(query())
-    return False
-
-
-class _CustomOpDepth(threading.local):
-    depth = 0
-
-
-_in_custom_op = _CustomOpDepth()  # > 0 while _gmm_op (the op compiled graphs call) runs
-
-
 class _DeviceGroups:
     """Group ends and the quantities derived from them, computed on the device from
     ``batch_sizes`` without reading it: ``ends[g] = min(sum(max(batch_sizes[:g+1], 0)), rows)``,
     non-decreasing and at most ``rows``, so every group is a slice inside the operands even when
     ``batch_sizes`` is malformed (its values are checked only with MEGABLOCKS_ASCEND_CHECKS=1).
 
-    ``ends`` given: group ends that the caller computed with ``batch_sizes`` and vouches for
-    (:func:`keep_group_ends`); nothing is launched, and the group is stale once ``ends`` changes."""
+    ``key`` (``keeping.key(batch_sizes, rows)``) when the groups are kept on ``batch_sizes``, None
+    when they serve one call. ``ends`` given: group ends that the caller computed with
+    ``batch_sizes`` and vouches for (:func:`keep_group_ends`); nothing is launched, and the groups
+    are stale once ``ends`` changes (it is their companion tensor, in the sense of ``keeping``)."""
 
     def __init__(self, key, batch_sizes, rows: int, ends=None):
-        self.key = key
         self._derived = {}
         if ends is None:
             self.ends = batch_sizes.clamp(min=0).cumsum(0).clamp_(max=rows)   # int64
-            self._ends_version = self._sizes = None
+            self._sizes = None
         else:
             self.ends = ends
-            self._ends_version = ends._version
             # The sizes are the ends' differences (npu_grouped_matmul's group_list: one cast). A weak
             # reference: these groups are kept on batch_sizes itself.
             self._sizes = weakref.ref(batch_sizes)
+        companions = () if ends is None else (ends,)
+        self._kept = None if key is None else keeping.Kept(key, companions, captured=False)
+
+    @property
+    def key(self):
+        return None if self._kept is None else self._kept.key
 
     def current(self, key) -> bool:
         """Whether these groups still describe ``batch_sizes`` at ``key`` (its version, the rows)."""
-        return self.key == key and (self._ends_version is None or self.ends._version == self._ends_version)
+        return self._kept is not None and self._kept.current(key, captured=False)
 
     def _get(self, name, make):
         value = self._derived.get(name)
@@ -625,11 +616,11 @@ class _DeviceGroups:
 
 
 def _reusable(batch_sizes) -> bool:
-    """Whether group ends may be kept on ``batch_sizes`` for later GEMMs: not an inference tensor
-    (no version counter), not during a graph capture (each captured call records its own small
-    kernels), not inside a compiled graph (where a tensor kept on one of the graph's tensors would
-    outlive the graph untracked: CUDA-graph trees refuse it)."""
-    return not (batch_sizes.is_inference() or _capturing(batch_sizes.device) or _in_custom_op.depth)
+    """Whether group ends may be kept on ``batch_sizes`` for later GEMMs, or kept ones used, under
+    the rule of :mod:`megablocks_ascend.keeping`: not an inference tensor, not inside
+    ``keeping.no_reuse`` (the custom op compiled graphs call), and not during a graph capture (each
+    captured call records its own small kernels)."""
+    return keeping.keepable(batch_sizes) and not keeping.capturing(batch_sizes.device)
 
 
 def _device_groups(batch_sizes, rows: int) -> _DeviceGroups:
@@ -639,11 +630,11 @@ def _device_groups(batch_sizes, rows: int) -> _DeviceGroups:
     graph is being captured: each captured call records its own small kernels."""
     if not _reusable(batch_sizes):
         return _DeviceGroups(None, batch_sizes, rows)
-    key = (batch_sizes._version, rows)
-    groups = batch_sizes.__dict__.get(_GROUPS_ATTR)
+    key = keeping.key(batch_sizes, rows)
+    groups = keeping.find(batch_sizes, _GROUPS_ATTR)
     if groups is None or not groups.current(key):
         groups = _DeviceGroups(key, batch_sizes, rows)
-        setattr(batch_sizes, _GROUPS_ATTR, groups)
+        keeping.put(batch_sizes, _GROUPS_ATTR, groups)
     return groups
 
 
@@ -655,10 +646,10 @@ def keep_group_ends(batch_sizes, ends, rows: int) -> None:
     and ``tokens_per_expert``, with ``rows`` its number of assignments). Kept under the rules of
     :func:`_device_groups`; a later in-place change of either tensor, or GEMMs over another number
     of rows, compute their own ends as before."""
-    if not _reusable(batch_sizes) or ends.is_inference() or ends.device != batch_sizes.device \
+    if not _reusable(batch_sizes) or not keeping.keepable(ends) or ends.device != batch_sizes.device \
             or ends.shape != batch_sizes.shape:
         return
-    setattr(batch_sizes, _GROUPS_ATTR, _DeviceGroups((batch_sizes._version, rows), batch_sizes, rows, ends))
+    keeping.put(batch_sizes, _GROUPS_ATTR, _DeviceGroups(keeping.key(batch_sizes, rows), batch_sizes, rows, ends))
 
 
 def _finish(out, c):
@@ -888,11 +879,8 @@ def _gmm_eager(a, b, batch_sizes, trans_a, trans_b, c):
 @torch.library.custom_op("megablocks_ascend::gmm", mutates_args=())
 def _gmm_op(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_a: bool,
             trans_b: bool) -> torch.Tensor:
-    _in_custom_op.depth += 1
-    try:
+    with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
         return _gmm_eager(a, b, batch_sizes, trans_a, trans_b, None)
-    finally:
-        _in_custom_op.depth -= 1
 
 
 @_gmm_op.register_fake
