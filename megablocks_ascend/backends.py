@@ -10,7 +10,9 @@ context manager picks one of:
 ``torch``   plain PyTorch (:mod:`megablocks_ascend.reference`), any device.
 ``auto``    by device: NPU -> ``ascend``, CUDA -> ``cuda``, CPU -> ``torch``.
 
-There is no fallback: a backend that cannot run on the given tensors raises
+Each backend is one :class:`Backend` record in :data:`RECORDS` (what it serves, on which devices,
+where its functions come from, why it refuses what it cannot serve); the dispatchers below ask the
+record and name no backend. There is no fallback: a backend that cannot run on the given tensors raises
 :class:`BackendUnavailable` saying what to change. :func:`trace` records every call.
 """
 
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -28,12 +31,164 @@ from megablocks_ascend import compat, devices, envs, reference, validation
 from megablocks_ascend.kernels import blocksparse, preparation, routing
 
 BACKENDS = envs.BACKENDS
-_AUTO = {"npu": "ascend", "cuda": "cuda", "cpu": "torch"}
 
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot serve tensors on this device."""
 
+
+# ------------------------------------------------------------------------------------------
+# The backends, declared.
+
+
+def _ready(device) -> str | None:
+    return None
+
+
+def _refuses_nothing(name: str, call: dict, block: int) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One backend: a value of ``MEGABLOCKS_BACKEND``, and everything the dispatchers need to know
+    about it. Adding a backend is adding one of these to :data:`RECORDS` (and its name to
+    ``envs.BACKENDS``, the variable's vocabulary; a test checks that the two agree)."""
+
+    name: str
+    devices: tuple[str, ...] | None  # device types it serves; None: any
+    elsewhere: str  # the error for tensors on another device type ({kind}, {device})
+    # Where its functions come from, looked up at each call (so that replacing one takes effect):
+    routing: Callable[[str], Callable]  # a megablocks.backend.kernels name -> the function serving it
+    preparation: Callable[[], Callable]  # -> prepare_routing(top_experts, num_experts, block, route, capacity)
+    blocksparse: Callable[[str], Callable]  # an stk.backend.triton_kernels name -> the function serving it
+    auto: tuple[str, ...] = ()  # device types MEGABLOCKS_BACKEND=auto gives it
+    unready: Callable[[Any], str | None] = _ready  # why it cannot serve a device it serves, on this machine
+    refuse_blocksparse: Callable[[str, dict, int], str | None] = _refuses_nothing  # why not (name, args, block)
+    contiguous: bool = False  # its routing functions take contiguous tensors
+    upstream: bool = False  # MegaBlocks' and stk's own functions (_make_dispatcher, patches/sparse-mlp-refusal)
+    # Its counting sort ("sort"/"histogram" -> kernel) serves the megablocks_ops stand-in's sort and
+    # histogram for up to sort_keys keys; its routing preparation refuses more experts.
+    counting_sort: Callable[[str], Callable] | None = None
+    sort_keys: int = 0
+
+
+def _ascend_unready(device) -> str | None:
+    if device.type == "cpu" and not compat.interpreter_active():
+        return "MEGABLOCKS_BACKEND=ascend: " + compat.INTERPRETER_HINT
+    if device.type == "npu" and not compat.is_triton_ascend():
+        return ("MEGABLOCKS_BACKEND=ascend on NPU tensors needs triton-ascend "
+                "(pip install 'megablocks-ascend[npu]'), but the installed triton is not triton-ascend")
+    return None
+
+
+def _ascend_blocksparse_refusal(name: str, call: dict, block: int) -> str | None:
+    if block in blocksparse.BLOCK_SIZES:
+        return None
+    return (f"MEGABLOCKS_BACKEND=ascend: our block-sparse kernels take blocks of "
+            f"{', '.join(map(str, blocksparse.BLOCK_SIZES))}, not {block}; use MEGABLOCKS_BACKEND=torch")
+
+
+def _stk_refusal(name: str, call: dict, block: int) -> str | None:
+    why = stk_kernels_refusal(name, call)
+    if why is None:
+        return None
+    return (f"MEGABLOCKS_BACKEND={requested()} would run stk's own {name} kernel, which cannot compute this call "
+            f"correctly: {why}. Use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
+
+
+def _upstream(name: str) -> Callable:
+    """``megablocks.backend.kernels.<name>`` as shipped (recorded by the patch registry before it
+    replaced it, else looked up now)."""
+    if name not in UPSTREAM:
+        import megablocks.backend.kernels as upstream  # noqa: PLC0415
+        fn = getattr(upstream, name)
+        if getattr(fn, "__megablocks_ascend__", False):
+            raise BackendUnavailable(f"upstream megablocks.backend.kernels.{name} was not recorded before patching")
+        UPSTREAM[name] = fn
+    return UPSTREAM[name]
+
+
+def _upstream_stk(name: str) -> Callable:
+    """``stk.backend.triton_kernels.<name>`` as shipped (as :func:`_upstream`)."""
+    if name not in UPSTREAM_STK:
+        import stk.backend.triton_kernels as upstream  # noqa: PLC0415
+        fn = getattr(upstream, name)
+        if getattr(fn, "__megablocks_ascend__", False):
+            raise BackendUnavailable(f"stk.backend.triton_kernels.{name} was not recorded before patching")
+        UPSTREAM_STK[name] = fn
+    return UPSTREAM_STK[name]
+
+
+# Upstream's functions, for the ``cuda`` backend. Filled by the patch registry before it replaces
+# them (megablocks_ascend.patching); looked up lazily otherwise.
+UPSTREAM: dict[str, Callable] = {}
+UPSTREAM_STK: dict[str, Callable] = {}
+
+
+def end_bit(num_experts: int) -> int:
+    """The bits MegaBlocks' radix sort looks at for ``num_experts`` ids (``ParallelMLP.sort_end_bit``:
+    ``max(ceil(log2(num_experts)), 1)``)."""
+    return max((num_experts - 1).bit_length(), 1)
+
+
+def upstream_preparation(top_experts, num_experts, block=0, route=-1, capacity=0):
+    """MegaBlocks' own sequence (``ParallelMLP.indices_and_bins``, ``ParallelDroplessMLP.
+    indices_and_padded_bins``): ``ops.sort``, ``ops.histogram``, ``ops.inclusive_cumsum`` (and
+    ``ops.round_up`` with a second cumsum for ``padded_bins``), through whichever
+    ``megablocks_ops`` is installed (the CUDA extension, or the plugin's stand-in)."""
+    del route, capacity  # upstream's kernels need no route map
+    import megablocks.ops as mops  # noqa: PLC0415
+    top = top_experts.reshape(-1).int()
+    bin_ids, indices = mops.sort(top, end_bit(num_experts))
+    tokens_per_expert = mops.histogram(top, num_experts)
+    bins = mops.inclusive_cumsum(tokens_per_expert, 0)
+    bins = bins.view(1) if not bins.dim() else bins
+    padded_bins = None
+    if block:
+        padded_bins = mops.inclusive_cumsum(mops.round_up(tokens_per_expert, block), 0)
+        padded_bins = padded_bins.view(1) if not padded_bins.dim() else padded_bins
+    return indices, bin_ids, bins, tokens_per_expert, padded_bins
+
+
+RECORDS: dict[str, Backend] = {b.name: b for b in (
+    Backend(
+        name="ascend",  # our Triton kernels
+        devices=("npu", "cuda", "cpu"), auto=("npu",),
+        elsewhere="MEGABLOCKS_BACKEND=ascend cannot run on {kind} tensors",
+        unready=_ascend_unready,
+        routing=functools.partial(getattr, routing),
+        preparation=functools.partial(getattr, preparation, "prepare_routing"),
+        blocksparse=functools.partial(getattr, blocksparse),
+        refuse_blocksparse=_ascend_blocksparse_refusal,
+        contiguous=True,  # our launchers take contiguous tensors (the preparation's are)
+        counting_sort=functools.partial(getattr, preparation), sort_keys=devices.MAX_PREP_KEYS,
+    ),
+    Backend(
+        name="cuda",  # upstream MegaBlocks' and stk's own kernels
+        devices=("cuda",), auto=("cuda",),
+        elsewhere="MEGABLOCKS_BACKEND=cuda runs upstream MegaBlocks' CUDA kernels, but the tensors are on {device}; "
+                  "use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)",
+        routing=_upstream,
+        preparation=lambda: upstream_preparation,
+        blocksparse=_upstream_stk,
+        refuse_blocksparse=_stk_refusal,
+        upstream=True,
+    ),
+    Backend(
+        name="torch",  # plain PyTorch, the reference the others are tested against
+        devices=None, auto=("cpu",),
+        elsewhere="",
+        routing=functools.partial(getattr, reference),
+        preparation=functools.partial(getattr, reference, "prepare_routing"),
+        blocksparse=functools.partial(getattr, reference.blocksparse),
+    ),
+)}
+_AUTO = {kind: b.name for b in RECORDS.values() for kind in b.auto}
+
+
+# ------------------------------------------------------------------------------------------
+# Which backend serves a call.
 
 # use_backend() overrides are process-wide, not per thread or context: on CUDA and NPU the
 # autograd engine runs backward passes on its own device threads, and a backward started inside a
@@ -91,21 +246,12 @@ def _resolve(name: str, device: torch.device) -> str:
                 f"MEGABLOCKS_BACKEND=auto has no backend for {kind} tensors; "
                 "set MEGABLOCKS_BACKEND=torch to use plain PyTorch")
         name = _AUTO[kind]
-    if name == "ascend":
-        if kind == "cpu":
-            if not compat.interpreter_active():
-                raise BackendUnavailable("MEGABLOCKS_BACKEND=ascend: " + compat.INTERPRETER_HINT)
-        elif kind == "npu":
-            if not compat.is_triton_ascend():
-                raise BackendUnavailable(
-                    "MEGABLOCKS_BACKEND=ascend on NPU tensors needs triton-ascend "
-                    "(pip install 'megablocks-ascend[npu]'), but the installed triton is not triton-ascend")
-        elif kind != "cuda":
-            raise BackendUnavailable(f"MEGABLOCKS_BACKEND=ascend cannot run on {kind} tensors")
-    elif name == "cuda" and kind != "cuda":
-        raise BackendUnavailable(
-            f"MEGABLOCKS_BACKEND=cuda runs upstream MegaBlocks' CUDA kernels, but the tensors are on "
-            f"{device}; use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
+    backend = RECORDS[name]
+    if backend.devices is not None and kind not in backend.devices:
+        raise BackendUnavailable(backend.elsewhere.format(kind=kind, device=device))
+    why = backend.unready(device)
+    if why is not None:
+        raise BackendUnavailable(why)
     return name
 
 
@@ -166,27 +312,9 @@ SPECS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
 
 _TENSOR_ARGS = ("x", "grad", "indices", "bin_ids", "weights", "bins", "padded_bins")
 
-# Upstream's functions, for the ``cuda`` backend. Filled by the patch registry before it
-# replaces them (megablocks_ascend.patching); looked up lazily otherwise.
-UPSTREAM: dict[str, Callable] = {}
-
-
-def _upstream(name: str) -> Callable:
-    if name not in UPSTREAM:
-        import megablocks.backend.kernels as upstream  # noqa: PLC0415
-        fn = getattr(upstream, name)
-        if getattr(fn, "__megablocks_ascend__", False):
-            raise BackendUnavailable(f"upstream megablocks.backend.kernels.{name} was not recorded before patching")
-        UPSTREAM[name] = fn
-    return UPSTREAM[name]
-
 
 def _implementation(name: str, backend: str) -> Callable:
-    if backend == "ascend":
-        return getattr(routing, name)
-    if backend == "torch":
-        return getattr(reference, name)
-    return _upstream(name)
+    return RECORDS[backend].routing(name)
 
 
 class _Depth(threading.local):
@@ -222,12 +350,13 @@ def _make_dispatcher(name: str) -> Callable:
         device = x.device
         backend = resolve(device)
         _record(name, backend, device)
-        if backend == "ascend":  # our launchers take contiguous tensors (the preparation's are)
+        record = RECORDS[backend]
+        if record.contiguous:  # (the preparation's tensors are contiguous)
             args = list(args)
             for i in data_positions if prepared else tensor_positions:
                 if args[i] is not None:
                     args[i] = args[i].contiguous()
-        elif backend == "cuda":
+        elif record.upstream:
             _dispatching.depth += 1  # (only upstream's functions call back into the dispatchers)
             try:
                 return _implementation(name, backend)(*args)
@@ -251,31 +380,6 @@ globals().update(KERNELS)
 # (and padded_bins), as MegaBlocks' layers compute them before their routing calls.
 
 
-def end_bit(num_experts: int) -> int:
-    """The bits MegaBlocks' radix sort looks at for ``num_experts`` ids (``ParallelMLP.sort_end_bit``:
-    ``max(ceil(log2(num_experts)), 1)``)."""
-    return max((num_experts - 1).bit_length(), 1)
-
-
-def upstream_preparation(top_experts, num_experts, block=0, route=-1, capacity=0):
-    """MegaBlocks' own sequence (``ParallelMLP.indices_and_bins``, ``ParallelDroplessMLP.
-    indices_and_padded_bins``): ``ops.sort``, ``ops.histogram``, ``ops.inclusive_cumsum`` (and
-    ``ops.round_up`` with a second cumsum for ``padded_bins``), through whichever
-    ``megablocks_ops`` is installed (the CUDA extension, or the plugin's stand-in)."""
-    del route, capacity  # upstream's kernels need no route map
-    import megablocks.ops as mops  # noqa: PLC0415
-    top = top_experts.reshape(-1).int()
-    bin_ids, indices = mops.sort(top, end_bit(num_experts))
-    tokens_per_expert = mops.histogram(top, num_experts)
-    bins = mops.inclusive_cumsum(tokens_per_expert, 0)
-    bins = bins.view(1) if not bins.dim() else bins
-    padded_bins = None
-    if block:
-        padded_bins = mops.inclusive_cumsum(mops.round_up(tokens_per_expert, block), 0)
-        padded_bins = padded_bins.view(1) if not padded_bins.dim() else padded_bins
-    return indices, bin_ids, bins, tokens_per_expert, padded_bins
-
-
 def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
     """``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the router's expert ids
     (``padded_bins`` None when ``block`` is 0), served by the backend ``MEGABLOCKS_BACKEND`` selects:
@@ -286,33 +390,32 @@ def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
                                  route=route, capacity=capacity)
     device = top_experts.device
     backend = resolve(device)
-    if backend == "ascend" and num_experts > devices.MAX_PREP_KEYS:
+    record = RECORDS[backend]
+    if record.counting_sort is not None and num_experts > record.sort_keys:
         raise BackendUnavailable(
-            f"MEGABLOCKS_BACKEND=ascend: our routing preparation sorts up to {devices.MAX_PREP_KEYS} experts, not "
+            f"MEGABLOCKS_BACKEND={backend}: our routing preparation sorts up to {record.sort_keys} experts, not "
             f"{num_experts}; use MEGABLOCKS_BACKEND=torch")
     _record("prepare_routing", backend, device)
-    if backend == "ascend":
-        out = preparation.prepare_routing(top_experts, num_experts, block, route, capacity)
-    elif backend == "torch":
-        out = reference.prepare_routing(top_experts, num_experts, block, route, capacity)
-    else:
-        out = upstream_preparation(top_experts, num_experts, block, route, capacity)
+    out = record.preparation()(top_experts, num_experts, block, route, capacity)
     indices, bin_ids, bins, _, padded_bins = out
     # Well-formed by construction: the step's routing calls need not check it again (validation).
     validation.mark_prepared(indices, bins, bin_ids, padded_bins, values_checked=envs.checks_enabled())
     return out
 
 
-def kernels_serve_sort(op: str, x: torch.Tensor, num_keys: int) -> bool:
-    """Whether our counting-sort kernels serve the ``megablocks_ops`` stand-in's ``op`` (``sort`` or
-    ``histogram``) for ``x``: where the backend for its device is ``ascend`` and the keys are at
-    most ``devices.MAX_PREP_KEYS`` (recorded in :func:`trace` then). Elsewhere the stand-in's
-    PyTorch code serves it, as it always did: the stand-in is what MegaBlocks' own ``ops.sort`` and
-    ``ops.histogram`` call (under ``cuda`` too, where the CUDA extension is not built)."""
-    if resolve(x.device) != "ascend" or num_keys > devices.MAX_PREP_KEYS:
-        return False
-    _record(op, "ascend", x.device)
-    return True
+def counting_sort(op: str, x: torch.Tensor, num_keys: int) -> Callable | None:
+    """The counting-sort kernel that serves the ``megablocks_ops`` stand-in's ``op`` (``sort`` or
+    ``histogram``) for ``x``, or None: where the backend for its device has one (``ascend``: the
+    routing preparation's, ``kernels/preparation.py``) and the keys are at most its ``sort_keys``
+    (recorded in :func:`trace` then). Elsewhere the stand-in's PyTorch code serves it, as it always
+    did: the stand-in is what MegaBlocks' own ``ops.sort`` and ``ops.histogram`` call (under
+    ``cuda`` too, where the CUDA extension is not built)."""
+    backend = resolve(x.device)
+    record = RECORDS[backend]
+    if record.counting_sort is None or num_keys > record.sort_keys:
+        return None
+    _record(op, backend, x.device)
+    return record.counting_sort(op)
 
 
 # ------------------------------------------------------------------------------------------
@@ -328,22 +431,9 @@ STK_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
     "row_indices": (("shape", "data", "offsets", "column_indices", "out"), "out"),
 }
 
-# stk's own functions, for the ``cuda`` backend; filled by the patch registry before it replaces them.
-UPSTREAM_STK: dict[str, Callable] = {}
-
 STK_BLOCK_SIZE = 128  # stk's TritonConfig: its kernels compute 128 x 128 blocks and nothing else
 _INT16_LIMIT = 1 << 15  # an int16 value wraps at 32768
 _INT32_LIMIT = 1 << 31
-
-
-def _upstream_stk(name: str) -> Callable:
-    if name not in UPSTREAM_STK:
-        import stk.backend.triton_kernels as upstream  # noqa: PLC0415
-        fn = getattr(upstream, name)
-        if getattr(fn, "__megablocks_ascend__", False):
-            raise BackendUnavailable(f"stk.backend.triton_kernels.{name} was not recorded before patching")
-        UPSTREAM_STK[name] = fn
-    return UPSTREAM_STK[name]
 
 
 def _max_offset(t: torch.Tensor) -> int:
@@ -391,11 +481,7 @@ def stk_kernels_refusal(name: str, a: dict) -> str | None:
 
 
 def _stk_implementation(name: str, backend: str) -> Callable:
-    if backend == "ascend":
-        return getattr(blocksparse, name)
-    if backend == "torch":
-        return getattr(reference.blocksparse, name)
-    return _upstream_stk(name)
+    return RECORDS[backend].blocksparse(name)
 
 
 def _make_stk_dispatcher(name: str) -> Callable:
@@ -410,17 +496,9 @@ def _make_stk_dispatcher(name: str) -> Callable:
         block = validation.check_blocksparse(name, a)
         device = a[device_arg].device
         backend = resolve(device)
-        if backend == "ascend" and block not in blocksparse.BLOCK_SIZES:
-            raise BackendUnavailable(
-                f"MEGABLOCKS_BACKEND=ascend: our block-sparse kernels take blocks of "
-                f"{', '.join(map(str, blocksparse.BLOCK_SIZES))}, not {block}; use MEGABLOCKS_BACKEND=torch")
-        if backend == "cuda":
-            why = stk_kernels_refusal(name, a)
-            if why is not None:
-                raise BackendUnavailable(
-                    f"MEGABLOCKS_BACKEND={requested()} would run stk's own {name} kernel, which cannot compute "
-                    f"this call correctly: {why}. Use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch "
-                    "(plain PyTorch)")
+        why = RECORDS[backend].refuse_blocksparse(name, a, block)
+        if why is not None:
+            raise BackendUnavailable(why)
         _record(name, backend, device)
         _stk_implementation(name, backend)(**a)
 

@@ -20,9 +20,12 @@ import pytest
 import torch
 
 import blocksparse_impl as ref
+import megablocks_ascend
 from blocksparse_impl import Topology, topology
-from megablocks_ascend import devices
+from megablocks_ascend import backends, devices
+from megablocks_ascend.backends import BackendUnavailable
 from megablocks_ascend.kernels import blocksparse as bs
+from megablocks_ascend.validation import BlockSparseArgumentError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # max |out - ref| / max |ref|: float32 accumulates exactly enough in the interpreter; 16-bit outputs
@@ -474,7 +477,11 @@ def test_matches_stk_kernels_where_they_are_correct():
 
 
 # --------------------------------------------------------------------------------------------
-# Bad input: a ValueError naming the argument, before any launch, the caller's tensors untouched.
+# Bad input: refused before any launch, naming the argument, the caller's tensors untouched. Every
+# argument is checked once, where stk's functions are called (the dispatcher: validation.
+# check_blocksparse, whose messages tests/test_sparse_dispatch.py holds; the block size by the
+# ascend backend's record), so the cases below go through it; the launchers check only a tile they
+# are given.
 
 
 class _NoLaunch:
@@ -506,7 +513,7 @@ def _sdd(b, **kw):
     a = dict(lhs=b["lhs"], rhs=b["rhs"], shape=t.shape, out=b["blocks"], offsets=t.offsets,
              row_indices=t.row_indices, column_indices=t.column_indices)
     a.update(kw)
-    return lambda: bs.sdd(**a)
+    return "sdd", a
 
 
 def _dsd(b, **kw):
@@ -515,7 +522,7 @@ def _dsd(b, **kw):
              column_indices=t.column_indices, offsets_t=t.offsets_t, column_indices_t=t.column_indices_t,
              block_offsets_t=t.block_offsets_t, transpose_a=False, rhs=b["x"], out=b["out_dsd"])
     a.update(kw)
-    return lambda: bs.dsd(**a)
+    return "dsd", a
 
 
 def _dds(b, **kw):
@@ -524,25 +531,39 @@ def _dds(b, **kw):
              column_indices=t.column_indices, offsets_t=t.offsets_t, column_indices_t=t.column_indices_t,
              block_offsets_t=t.block_offsets_t, transpose_b=False, out=b["out_dds"])
     a.update(kw)
-    return lambda: bs.dds(**a)
+    return "dds", a
 
 
 def _rows(b, **kw):
     t = b["topo"]
-    a = dict(shape=t.shape, data=None, offsets=t.offsets, column_indices=t.column_indices, out=b["rows"])
+    a = dict(shape=t.shape, data=torch.empty(t.nnz, 16, 16, device="meta"), offsets=t.offsets,
+             column_indices=t.column_indices, out=b["rows"])
     a.update(kw)
-    return lambda: bs.row_indices(**a)
+    return "row_indices", a
+
+
+def _blocks_of(block, dense):
+    """A valid sdd call and a valid dds call on a 2 x 2-block matrix of ``block`` x ``block`` blocks."""
+    t = topology((2 * block, 2 * block), block, [(0, 0), (1, 1)])
+    side = 2 * block
+    sdd = dict(lhs=torch.zeros(side, dense), rhs=torch.zeros(dense, side), shape=t.shape,
+               out=torch.full((t.nnz, block, block), 7.0), offsets=t.offsets, row_indices=t.row_indices,
+               column_indices=t.column_indices)
+    dds = dict(lhs=torch.zeros(dense, side), shape=t.shape, data=torch.zeros(t.nnz, block, block),
+               **{k: v for k, v in t.metadata().items() if k != "shape"}, transpose_b=False,
+               out=torch.full((dense, side), 7.0))
+    return sdd, dds
 
 
 BAD = {
+    # (the call, the argument named, words of the message)
     # sdd
     "sdd lhs dtype": (lambda b: _sdd(b, lhs=b["lhs"].double()), "lhs", "dtype"),
-    "sdd rhs dtype differs": (lambda b: _sdd(b, rhs=b["rhs"].half()), "rhs", "one dtype"),
+    "sdd rhs dtype differs": (lambda b: _sdd(b, rhs=b["rhs"].half()), "rhs", "dtype float16"),
     "sdd rhs on another device": (lambda b: _sdd(b, rhs=b["rhs"].to("meta")), "rhs", "meta"),
-    "sdd inner dims": (lambda b: _sdd(b, rhs=b["rhs"][:20]), "rhs", "rows"),
-    "sdd shape": (lambda b: _sdd(b, shape=(32, 32)), "shape", "product"),
+    "sdd inner dims": (lambda b: _sdd(b, rhs=b["rhs"][:20]), "rhs", "shape"),
+    "sdd shape": (lambda b: _sdd(b, shape=(32, 32)), "rhs", "shape"),
     "sdd shape not 2-D": (lambda b: _sdd(b, shape=(32,)), "shape", "two"),
-    "sdd out block size 8": (lambda b: _sdd(b, out=torch.zeros(b["topo"].nnz, 8, 8)), "out", "block size 8"),
     "sdd out not square": (lambda b: _sdd(b, out=torch.zeros(b["topo"].nnz, 16, 32)), "out", "square"),
     "sdd out not 3-D": (lambda b: _sdd(b, out=torch.zeros(b["topo"].nnz, 256)), "out", "3-D"),
     "sdd row_indices int64": (lambda b: _sdd(b, row_indices=b["topo"].row_indices.long()), "row_indices", "dtype"),
@@ -550,15 +571,14 @@ BAD = {
                                   "column_indices", "entries"),
     "sdd offsets length": (lambda b: _sdd(b, offsets=b["topo"].offsets[:-1]), "offsets", "entries"),
     "sdd offsets dtype": (lambda b: _sdd(b, offsets=b["topo"].offsets.long()), "offsets", "dtype"),
-    "sdd bad tile": (lambda b: _sdd(b, tile=devices.CubeTile(32, 16, 16)), "tile", "block size 16"),
     # dsd
     "dsd data dtype": (lambda b: _dsd(b, data=b["data"].to(torch.int32)), "data", "dtype"),
-    "dsd rhs dtype differs": (lambda b: _dsd(b, rhs=b["x"].half()), "rhs", "one dtype"),
-    "dsd rhs rows": (lambda b: _dsd(b, rhs=b["x"][:-16]), "rhs", "rows"),
+    "dsd rhs dtype differs": (lambda b: _dsd(b, rhs=b["x"].half()), "rhs", "dtype float16"),
+    "dsd rhs rows": (lambda b: _dsd(b, rhs=b["x"][:-16]), "rhs", "shape"),
     "dsd shape not a multiple": (lambda b: _dsd(b, shape=(40, 48)), "shape", "multiple"),
     "dsd out shape": (lambda b: _dsd(b, out=b["out_dsd"][:-1]), "out", "shape"),
     "dsd transpose_a not bool": (lambda b: _dsd(b, transpose_a=1), "transpose_a", "bool"),
-    "dsd too many blocks": (lambda b: _dsd(b, data=torch.zeros(7, 16, 16)), "data", "blocks"),
+    "dsd too many blocks": (lambda b: _dsd(b, data=torch.zeros(7, 16, 16)), "row_indices", "entries"),
     "dsd block_offsets_t dtype": (lambda b: _dsd(b, shape=b["topo"].shape[::-1], transpose_a=True,
                                                  rhs=b["y"].t().contiguous(), out=b["out_dds"].t().contiguous(),
                                                  block_offsets_t=b["topo"].block_offsets_t.short()),
@@ -567,42 +587,72 @@ BAD = {
                                             rhs=b["y"].t().contiguous(), out=b["out_dds"].t().contiguous(),
                                             offsets_t=b["topo"].offsets), "offsets_t", "entries"),
     # dds
-    "dds lhs cols": (lambda b: _dds(b, lhs=b["y"][:, :-1]), "lhs", "columns"),
+    "dds lhs cols": (lambda b: _dds(b, lhs=b["y"][:, :-1]), "lhs", "shape"),
     "dds out shape": (lambda b: _dds(b, out=b["out_dds"].t()), "out", "shape"),
     "dds transpose_b not bool": (lambda b: _dds(b, transpose_b=None), "transpose_b", "bool"),
     "dds column_indices_t dtype": (lambda b: _dds(b, column_indices_t=b["topo"].column_indices_t.float()),
                                    "column_indices_t", "dtype"),
-    "dds data block size 256": (lambda b: _dds(b, data=torch.zeros(1, 256, 256)), "data", "block size 256"),
     # row_indices
     "row_indices out length": (lambda b: _rows(b, out=b["rows"][:-1]), "out", "entries"),
     "row_indices out dtype": (lambda b: _rows(b, out=b["rows"].float()), "out", "dtype"),
     "row_indices offsets dtype": (lambda b: _rows(b, offsets=b["topo"].offsets.long()), "offsets", "dtype"),
     "row_indices int16 out, too many rows": (
-        lambda b: _rows(b, offsets=torch.zeros(2**15 + 2, dtype=torch.int32), column_indices=torch.zeros(0, dtype=torch.int16),
-                        out=torch.zeros(0, dtype=torch.int16)), "out", "int16"),
+        lambda b: _rows(b, shape=((2**15 + 1) * 16, 16), offsets=torch.zeros(2**15 + 2, dtype=torch.int32),
+                        column_indices=torch.zeros(0, dtype=torch.int16), out=torch.zeros(0, dtype=torch.int16),
+                        data=torch.empty(0, 16, 16, device="meta")), "out", "int16"),
 }
+
+
+def _no_launches(monkeypatch):
+    for name in ("_sdd", "_dsd", "_dds", "_row_indices"):
+        monkeypatch.setattr(bs, name, _NoLaunch())
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
 def test_bad_input_is_refused_before_any_launch(monkeypatch, case):
-    for name in ("_sdd", "_dsd", "_dds", "_row_indices"):
-        monkeypatch.setattr(bs, name, _NoLaunch())
+    _no_launches(monkeypatch)
     make, arg, words = BAD[case]
     b = _valid()
     before = {k: v.clone() for k, v in b.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError) as info:
-        make(b)()
+    op, a = make(b)
+    with megablocks_ascend.use_backend("ascend"), pytest.raises(BlockSparseArgumentError) as info:
+        backends.STK_KERNELS[op](**a)
     msg = str(info.value)
-    assert msg.startswith(arg + ":"), msg
+    assert msg.startswith(f"{op}: argument '{arg}'"), msg
     assert words in msg, msg
     for k, v in before.items():
         assert torch.equal(b[k], v), k
 
 
+@pytest.mark.parametrize("block", [8, 256])
+def test_block_sizes_the_kernels_do_not_take_are_refused_before_any_launch(monkeypatch, block):
+    """A well-formed matrix of blocks the kernels were not written for: the ascend backend refuses
+    it (the torch reference serves it)."""
+    _no_launches(monkeypatch)
+    for op, a in zip(("sdd", "dds"), _blocks_of(block, 16)):
+        with megablocks_ascend.use_backend("ascend"), pytest.raises(BackendUnavailable) as info:
+            backends.STK_KERNELS[op](**a)
+        assert f"take blocks of {', '.join(map(str, bs.BLOCK_SIZES))}, not {block}" in str(info.value)
+        assert bool((a["out"] == 7.0).all())
+        with megablocks_ascend.use_backend("torch"):
+            backends.STK_KERNELS[op](**a)
+        assert not bool((a["out"] == 7.0).any())
+
+
+def test_a_tile_that_does_not_fit_the_block_is_refused_before_any_launch(monkeypatch):
+    """The launchers' own check: a ``tile`` they are given (tests, the gate, benchmarks)."""
+    _no_launches(monkeypatch)
+    op, a = _sdd(_valid())
+    with pytest.raises(ValueError, match=r"^tile: sdd tile \(32, 16, 16\) does not fit block size 16"):
+        bs.sdd(**a, tile=devices.CubeTile(32, 16, 16))
+
+
 def test_the_bad_input_base_is_valid():
     b = _valid()
     for make in (_sdd, _dsd, _dds, _rows):
-        make(b)()
+        op, a = make(b)
+        with megablocks_ascend.use_backend("ascend"):
+            backends.STK_KERNELS[op](**a)
     assert torch.equal(b["rows"], b["topo"].row_indices)
 
 

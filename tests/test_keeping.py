@@ -50,7 +50,8 @@ def test_capture_state():
     assert keeping.kept(owner, ATTR, (), (a,), True, "s1") is None
     assert keeping.kept(owner, ATTR, (), (a,), True, "s2") == "captured"
     assert keeping.kept(owner, ATTR, (), (a,), False, "s2") is None
-    assert keeping.kept(owner, ATTR, (), (a,), True, "s3") == keeping.kept(owner, ATTR, (), (a,), False, "s3") == "either"
+    assert keeping.kept(owner, ATTR, (), (a,), True, "s3") == "either"
+    assert keeping.kept(owner, ATTR, (), (a,), False, "s3") == "either"
 
 
 def test_keepable_no_reuse_and_inference():

@@ -2,7 +2,11 @@
 
 The four entry points have the signatures and results of ``stk.backend.triton_kernels`` (stanford-stk
 0.7.1), which MegaBlocks' sparse dMoE calls through ``stk.ops`` and, in its memory-optimized MLP,
-directly; each writes its result into ``out``.
+directly; each writes its result into ``out``. They take the arguments that
+:func:`megablocks_ascend.validation.check_blocksparse` accepted, with a block size of :data:`BLOCK_SIZES`
+(the ``ascend`` backend's record refuses others): the dispatcher (``backends.STK_KERNELS``) checks
+every argument once, before any launch, and the launchers check only what depends on their own
+choices (a ``tile`` they are given, and int32 indexing at their tile).
 
 The sparse operand
 ------------------
@@ -77,8 +81,6 @@ from megablocks_ascend import compat, devices
 from megablocks_ascend.compat import kernel
 
 BLOCK_SIZES = (16, 32, 64, 128)  # block sides the kernels support
-INDEX_DTYPES = (torch.int16, torch.int32)  # row_indices, column_indices, column_indices_t
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT32_MAX = 2**31 - 1
 _OFFSET_LIMIT = _INT32_MAX  # largest element offset the int32 kernels form (lowered in tests)
 
@@ -385,72 +387,12 @@ def _launch_options(tile, device) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Input checks: every one before any launch, each naming the argument.
+# What the launchers check themselves: only what depends on their own choices (the tile, and
+# int32 indexing at that tile). Every argument was checked before: see the module docstring.
 
 
 def _fail(name: str, what: str):
     raise ValueError(f"{name}: {what}")
-
-
-def _check_tensor(name, t, *, dim=None, dtypes=None, device=None):
-    if not isinstance(t, torch.Tensor):
-        _fail(name, f"expected a torch.Tensor, got {type(t).__name__}")
-    if dim is not None and t.dim() != dim:
-        _fail(name, f"expected a {dim}-D tensor, got shape {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        _fail(name, f"dtype {t.dtype} is not supported; expected one of {', '.join(map(str, dtypes))}")
-    if device is not None and t.device != device:
-        _fail(name, f"is on {t.device}, but the other operands are on {device}")
-
-
-def _check_shape(name, shape) -> tuple[int, int]:
-    try:
-        dims = tuple(int(s) for s in shape)
-    except (TypeError, ValueError):
-        _fail(name, f"expected two dimensions (rows, columns), got {shape!r}")
-    if len(dims) != 2 or min(dims) < 0:
-        _fail(name, f"expected two non-negative dimensions (rows, columns), got {shape!r}")
-    return dims
-
-
-def _check_block_size(name, b: int) -> None:
-    if b not in BLOCK_SIZES:
-        _fail(name, f"block size {b} is not supported; expected one of {BLOCK_SIZES}")
-
-
-def _check_blocks(name, t, device) -> int:
-    """A ``[nnz, B, B]`` block tensor; returns ``B``."""
-    _check_tensor(name, t, dim=3, dtypes=FLOAT_DTYPES, device=device)
-    if t.shape[1] != t.shape[2]:
-        _fail(name, f"expected square blocks [nnz, B, B], got shape {tuple(t.shape)}")
-    _check_block_size(name, t.shape[1])
-    return t.shape[1]
-
-
-def _check_divisible(name, dims, b):
-    if any(d % b for d in dims):
-        _fail(name, f"{tuple(dims)} is not a multiple of the block size {b} in each dimension")
-
-
-def _check_metadata(device, nnz, lines, **tensors):
-    """``offsets``-like tensors (``lines + 1`` int32 entries) and per-block index tensors."""
-    for name, t in tensors.items():
-        if name.startswith("offsets") or name == "block_offsets_t":
-            _check_tensor(name, t, dim=1, dtypes=(torch.int32,), device=device)
-        else:
-            _check_tensor(name, t, dim=1, dtypes=INDEX_DTYPES, device=device)
-        want = lines + 1 if name.startswith("offsets") else nnz
-        if t.numel() != want:
-            what = f"one entry per block line plus one ({want})" if name.startswith("offsets") else \
-                f"one entry per non-zero block ({want})"
-            _fail(name, f"has {t.numel()} entries; expected {what}")
-
-
-def _check_dense(name, t, device, dtype):
-    _check_tensor(name, t, dim=2, dtypes=FLOAT_DTYPES, device=device)
-    if t.dtype != dtype:
-        _fail(name, f"dtype {t.dtype} differs from the other operand's {dtype}: both matmul operands "
-                    f"must have one dtype")
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,25 +401,9 @@ def _check_dense(name, t, device, dtype):
 
 def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None, num_programs=None):
     """``out[b] = (lhs @ rhs)[block b]`` for every non-zero block ``b`` of the topology."""
-    _check_tensor("out", out, dim=3, dtypes=FLOAT_DTYPES)
     device = out.device
-    if out.shape[1] != out.shape[2]:
-        _fail("out", f"expected square blocks [nnz, B, B], got shape {tuple(out.shape)}")
-    b = out.shape[1]
-    _check_block_size("out", b)
-    _check_tensor("lhs", lhs, dim=2, dtypes=FLOAT_DTYPES, device=device)
-    _check_dense("rhs", rhs, device, lhs.dtype)
-    m, n = _check_shape("shape", shape)
-    if lhs.shape[1] != rhs.shape[0]:
-        _fail("rhs", f"has {rhs.shape[0]} rows but lhs has {lhs.shape[1]} columns (lhs @ rhs)")
-    if (m, n) != (lhs.shape[0], rhs.shape[1]):
-        _fail("shape", f"{(m, n)} is not the product's shape {(lhs.shape[0], rhs.shape[1])}")
-    _check_divisible("shape", (m, n), b)
-    nnz = out.shape[0]
-    if nnz > (m // b) * (n // b):
-        _fail("out", f"has {nnz} blocks, more than a {m} x {n} matrix of {b} x {b} blocks holds")
-    _check_metadata(device, nnz, m // b, offsets=offsets, row_indices=row_indices,
-                    column_indices=column_indices)
+    nnz, b = out.shape[0], out.shape[1]
+    m, n = shape
     if nnz == 0:
         return out
     k = lhs.shape[1]
@@ -504,30 +430,14 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None
 def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
         transpose_a, rhs, out, *, tile=None, num_programs=None):
     """``out = op(S) @ rhs``, ``op(S)`` of ``shape``: ``S`` itself, or its transpose if ``transpose_a``."""
-    _check_tensor("rhs", rhs, dim=2, dtypes=FLOAT_DTYPES)
     device = rhs.device
-    b = _check_blocks("data", data, device)
-    _check_dense("rhs", rhs, device, data.dtype)
-    _check_tensor("out", out, dim=2, dtypes=FLOAT_DTYPES, device=device)
-    if not isinstance(transpose_a, bool):
-        _fail("transpose_a", f"expected a bool, got {type(transpose_a).__name__}")
-    m, k = _check_shape("shape", shape)
-    _check_divisible("shape", (m, k), b)
-    if rhs.shape[0] != k:
-        _fail("rhs", f"has {rhs.shape[0]} rows but the sparse operand has {k} columns (shape {(m, k)})")
+    nnz, b = data.shape[0], data.shape[1]
+    m, k = shape
     n = rhs.shape[1]
-    if tuple(out.shape) != (m, n):
-        _fail("out", f"has shape {tuple(out.shape)}; expected the product's shape {(m, n)}")
-    nnz = data.shape[0]
-    if nnz > (m // b) * (k // b):
-        _fail("data", f"has {nnz} blocks, more than a {m} x {k} matrix of {b} x {b} blocks holds")
     if transpose_a:  # rows of op(S) are S's columns, walked through the transpose metadata
-        _check_metadata(device, nnz, m // b, offsets_t=offsets_t, column_indices_t=column_indices_t,
-                        block_offsets_t=block_offsets_t)
         line_offsets, line_indices = offsets_t, column_indices_t
         stride_am, stride_ak = data.stride(2), data.stride(1)
     else:
-        _check_metadata(device, nnz, m // b, offsets=offsets, column_indices=column_indices)
         line_offsets, line_indices = offsets, column_indices
         stride_am, stride_ak = data.stride(1), data.stride(2)
     if m == 0 or n == 0:
@@ -558,30 +468,14 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
 def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, column_indices_t, block_offsets_t,
         transpose_b, out, *, tile=None, num_programs=None):
     """``out = lhs @ op(S)``, ``op(S)`` of ``shape``: ``S`` itself, or its transpose if ``transpose_b``."""
-    _check_tensor("lhs", lhs, dim=2, dtypes=FLOAT_DTYPES)
     device = lhs.device
-    b = _check_blocks("data", data, device)
-    _check_dense("lhs", lhs, device, data.dtype)
-    _check_tensor("out", out, dim=2, dtypes=FLOAT_DTYPES, device=device)
-    if not isinstance(transpose_b, bool):
-        _fail("transpose_b", f"expected a bool, got {type(transpose_b).__name__}")
-    k, n = _check_shape("shape", shape)
-    _check_divisible("shape", (k, n), b)
-    if lhs.shape[1] != k:
-        _fail("lhs", f"has {lhs.shape[1]} columns but the sparse operand has {k} rows (shape {(k, n)})")
+    nnz, b = data.shape[0], data.shape[1]
+    k, n = shape
     m = lhs.shape[0]
-    if tuple(out.shape) != (m, n):
-        _fail("out", f"has shape {tuple(out.shape)}; expected the product's shape {(m, n)}")
-    nnz = data.shape[0]
-    if nnz > (k // b) * (n // b):
-        _fail("data", f"has {nnz} blocks, more than a {k} x {n} matrix of {b} x {b} blocks holds")
     if transpose_b:  # columns of op(S) are S's rows, walked in S's own order
-        _check_metadata(device, nnz, n // b, offsets=offsets, column_indices=column_indices)
         line_offsets, line_indices = offsets, column_indices
         stride_bk, stride_bn = data.stride(2), data.stride(1)
     else:
-        _check_metadata(device, nnz, n // b, offsets_t=offsets_t, column_indices_t=column_indices_t,
-                        block_offsets_t=block_offsets_t)
         line_offsets, line_indices = offsets_t, column_indices_t
         stride_bk, stride_bn = data.stride(1), data.stride(2)
     if m == 0 or n == 0:
@@ -615,17 +509,8 @@ ROW_INDICES_BLOCK = 128  # entries written per store
 def row_indices(shape, data, offsets, column_indices, out, *, num_programs=None):
     """``out[b]`` = the block row of block ``b``, from ``offsets``. ``data`` is not read (MegaBlocks
     passes a tensor on the meta device)."""
-    _check_tensor("offsets", offsets, dim=1, dtypes=(torch.int32,))
     device = offsets.device
-    _check_tensor("out", out, dim=1, dtypes=INDEX_DTYPES, device=device)
-    _check_tensor("column_indices", column_indices, dim=1, dtypes=INDEX_DTYPES)
-    if out.numel() != column_indices.numel():
-        _fail("out", f"has {out.numel()} entries; expected one per non-zero block ({column_indices.numel()})")
     block_rows = offsets.numel() - 1
-    if block_rows < 0:
-        _fail("offsets", "is empty; expected one entry per block row plus one")
-    if out.dtype == torch.int16 and block_rows > 2**15:
-        _fail("out", f"is int16, which cannot hold the row indices of {block_rows} block rows (at most 32768)")
     nnz = out.numel()
     if nnz == 0 or block_rows == 0:
         return out

@@ -6,11 +6,11 @@ the extension's signatures and write the same results into the same output argum
 (semantics from upstream's ``csrc/``: CUB radix sort, even histogram, CUB scans, the topology
 index kernel and the replicate kernels). They run on whatever device their tensors are on.
 
-``sort`` (of int16 / int32 values) and ``histogram`` (of a 1-D tensor) run our counting-sort
-kernels (``kernels/preparation.py``, the routing preparation's) where the backend for the tensors'
-device is ``ascend`` and there are at most ``devices.MAX_PREP_KEYS`` keys (``2**end_bit`` for
-sort): that is where MegaBlocks calls them directly (the sparse dMoE's topology transpose, the
-expert-parallel path's second sort). Everywhere else (and while ``torch.compile`` traces), and
+``sort`` (of int16 / int32 values) and ``histogram`` (of a 1-D tensor) run a counting-sort
+kernel where the backend for the tensors' device has one (``backends.counting_sort``: under
+``ascend``, ``kernels/preparation.py``'s, the routing preparation's) and there are at most
+``devices.MAX_PREP_KEYS`` keys (``2**end_bit`` for sort): that is where MegaBlocks calls them
+directly (the sparse dMoE's topology transpose, the expert-parallel path's second sort). Everywhere else (and while ``torch.compile`` traces), and
 always for the other functions, the PyTorch code below serves them. This module imports
 nothing of the plugin at import time (the patch registry registers it before MegaBlocks and the
 rest of the plugin are imported); the backend is asked at call time.
@@ -29,11 +29,12 @@ def _check(name, t, ndim, dtypes=_INT_DTYPES):
         raise ValueError(f"megablocks_ops: '{name}' must be a {ndim}-D tensor of {dtypes}, got {got}")
 
 
-def _ours(op: str, x: torch.Tensor, num_keys: int) -> bool:
+def _ours(op: str, x: torch.Tensor, num_keys: int):
+    """The counting-sort kernel that serves ``op`` for ``x`` (``backends.counting_sort``), or None."""
     if torch.compiler.is_compiling():
-        return False  # traced as the PyTorch ops below (a compiled graph of MegaBlocks' sparse dMoE)
+        return None  # traced as the PyTorch ops below (a compiled graph of MegaBlocks' sparse dMoE)
     from megablocks_ascend import backends  # noqa: PLC0415  (at call time: see the module docstring)
-    return backends.kernels_serve_sort(op, x, num_keys)
+    return backends.counting_sort(op, x, num_keys)
 
 
 def sort(x: torch.Tensor, end_bit: int, x_out: torch.Tensor, iota_out: torch.Tensor) -> None:
@@ -52,10 +53,10 @@ def sort(x: torch.Tensor, end_bit: int, x_out: torch.Tensor, iota_out: torch.Ten
                          f"got {end_bit!r}")
     if x_out.shape != x.shape or iota_out.shape != x.shape:
         raise ValueError("megablocks_ops.sort: 'x_out' and 'iota_out' must have the shape of 'x'")
-    if x.dtype != torch.int64 and end_bit < 16 and x_out.is_contiguous() and iota_out.is_contiguous() \
-            and _ours("sort", x, 1 << end_bit):
-        from megablocks_ascend.kernels import preparation  # noqa: PLC0415
-        preparation.sort(x.contiguous(), end_bit, x_out, iota_out)
+    kernel = x.dtype != torch.int64 and end_bit < 16 and x_out.is_contiguous() and iota_out.is_contiguous() \
+        and _ours("sort", x, 1 << end_bit)
+    if kernel:
+        kernel(x.contiguous(), end_bit, x_out, iota_out)
         return
     keys = x.long()  # (no branch on x's size: the sparse dMoE sorts a data-dependent number of blocks)
     if end_bit < torch.iinfo(x.dtype).bits:
@@ -70,9 +71,9 @@ def histogram(x: torch.Tensor, max_val: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.ndim not in (1, 2) or x.dtype not in _INT_DTYPES:
         raise ValueError("megablocks_ops.histogram: 'x' must be a 1-D or 2-D integer tensor")
     num_bins = int(max_val)
-    if x.ndim == 1 and 0 < num_bins and _ours("histogram", x, num_bins):
-        from megablocks_ascend.kernels import preparation  # noqa: PLC0415
-        return preparation.histogram(x.contiguous(), num_bins)
+    kernel = x.ndim == 1 and 0 < num_bins and _ours("histogram", x, num_bins)
+    if kernel:
+        return kernel(x.contiguous(), num_bins)
     rows = x.view(1, -1) if x.ndim == 1 else x
     values = rows.long()
     inside = (values >= 0) & (values < num_bins)

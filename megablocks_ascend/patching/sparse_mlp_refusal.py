@@ -29,7 +29,7 @@ def sparse_mlp_blocker(device: Any) -> str | None:
         backend = backends.resolve(dev)
     except backends.BackendUnavailable as e:
         return str(e)
-    if backend == "cuda":
+    if backends.RECORDS[backend].upstream:
         return (f"MEGABLOCKS_BACKEND={backends.requested()} sends stk's block-sparse matmuls on {dev} to stk's own "
                 "Triton kernels, which with Triton >= 3.2 compute wrong results once a sparse matrix has more than "
                 "32768 rows or columns (megablocks-ascend refuses those calls; see patches/sparse-mlp-refusal.md). "
