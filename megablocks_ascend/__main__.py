@@ -17,6 +17,7 @@ class Subcommand(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    module: str | None = None  # the module that implements it, where one does
 
 
 def _module_command(module: str, help: str) -> Subcommand:
@@ -25,7 +26,8 @@ def _module_command(module: str, help: str) -> Subcommand:
 
     return Subcommand(help,
                       lambda parser: importlib.import_module(module).add_arguments(parser),
-                      lambda args: importlib.import_module(module).main(args))
+                      lambda args: importlib.import_module(module).main(args),
+                      module)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
