@@ -1,22 +1,18 @@
 """Expert-model parallelism on two GPUs over NCCL: MegaBlocks' unchanged MoE and dMoE, through the
 plugin with MEGABLOCKS_BACKEND=ascend (our kernels) and cuda (upstream's), each rank checked
-against a one-process run of the same layer (the check in tests/test_expert_parallel.py, which CI
-runs on CPU with gloo).
+against a one-process run of the same layer (``megablocks_ascend.bench.expert_parallel``, which
+CI runs on CPU with gloo in tests/test_expert_parallel.py).
 
     python benchmarks/expert_parallel_check.py        # needs 2 CUDA devices
 """
 
 import os
-import pathlib
 import sys
 
 import torch
 import torch.multiprocessing as mp
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from test_expert_parallel import WORLD, _rendezvous, _worker  # noqa: E402
+from megablocks_ascend.bench.expert_parallel import WORLD, rendezvous, worker
 
 
 def main() -> int:
@@ -28,7 +24,7 @@ def main() -> int:
     for layer in ("moe", "dmoe"):
         for backend in ("ascend", "cuda"):
             try:
-                mp.spawn(_worker, args=(_rendezvous(), layer, backend, "cuda", "nccl"), nprocs=WORLD, join=True)
+                mp.spawn(worker, args=(rendezvous(), layer, backend, "cuda", "nccl"), nprocs=WORLD, join=True)
                 status = "ok"
             except Exception as e:  # noqa: BLE001 - report every combination
                 status = f"FAIL: {e}"

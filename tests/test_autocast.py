@@ -725,8 +725,8 @@ def test_expert_parallel_under_autocast(device):
     if device.type != "cpu":
         pytest.skip("CPU ranks over gloo only; on GPUs, benchmarks/expert_parallel_check.py runs them")
 
-    from test_expert_parallel import WORLD, _rendezvous, _worker
-    mp.spawn(_worker, args=(_rendezvous(), "dmoe", "ascend", "cpu", "gloo", torch.bfloat16), nprocs=WORLD,
+    from megablocks_ascend.bench.expert_parallel import WORLD, rendezvous, worker
+    mp.spawn(worker, args=(rendezvous(), "dmoe", "ascend", "cpu", "gloo", torch.bfloat16), nprocs=WORLD,
              join=True)
 
 

@@ -19,7 +19,7 @@ kernel costs one launch in the interpreter as it does on a device.
 Where the tensors are on an accelerator (``device="cuda"``/``"npu"``), an op counts only when one
 of its tensors is on that device (an op on host tensors launches nothing there); on the CPU, the
 stand-in for a device, every op counts (``Tensor.cpu()`` of a CPU tensor does not reach the
-dispatcher, so a device-to-host copy is not seen there: :mod:`host_syncs` finds those).
+dispatcher, so a device-to-host copy is not seen there: ``tests/host_syncs.py`` finds those).
 
 With ``where=True`` each launch also records the source line that caused it: the innermost frame
 outside torch and this module (MegaBlocks, stk, megablocks_ascend, the caller), and for the
@@ -32,8 +32,8 @@ forward that created it (recorded by anomaly mode with its NaN checks off, which
 
 A ``torch.library`` custom op reaches the dispatch mode as one opaque op (and runs its Python
 implementation with the mode off); the counter runs that implementation itself under the mode (as
-``host_syncs`` does), and fails on a custom op whose implementation it cannot find rather than
-hide its launches.
+``tests/host_syncs.py`` does), and fails on a custom op whose implementation it cannot find rather
+than hide its launches.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ except ImportError:
     _TRITON_DIR = _TORCH_DIR
 _LAUNCH_WRAPPER = os.path.join("megablocks_ascend", "compat.py")  # compat.Kernel: launches triton.jit
 _SITE = "site-packages" + os.sep
-_REPO = os.path.dirname(os.path.dirname(_HERE)) + os.sep
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(_HERE))) + os.sep
 
 
 def _short(path: str) -> str:
@@ -387,7 +387,7 @@ def layer_step(layer: str, *, experts: int = 16, top_k: int = 4, tokens: int = 6
     and stk's own kernels: the ``cuda`` backend on CUDA tensors, :func:`upstream_kernels` on CPU
     tensors), or ``None`` (whatever ``MEGABLOCKS_BACKEND`` says).
 
-    The layer is built as ``bench_steps.py`` builds it (``return_bias=False``: the output bias is
+    The layer is built as :mod:`~megablocks_ascend.bench.steps` builds it (``return_bias=False``: the output bias is
     added inside the layer; capacity factor 1; the default load-balancing loss weight, 0.1), on
     ``tokens`` tokens (sequence ``tokens``, batch 1). A step is what a training loop does per
     layer: gradients set to ``None``, the forward, the load-balancing loss
