@@ -80,7 +80,7 @@ def ours_vs_alternatives(rows, path, title=""):
     for ax, (section, case) in zip(axes[:, 0], panels):
         mine = [r for r in rows if (r["section"], r["case"]) == (section, case) and r.get("ms") is not None]
         items = list(dict.fromkeys(r["item"] for r in mine))
-        impls = list(dict.fromkeys(r["impl"] for r in mine))
+        impls = sorted(dict.fromkeys(r["impl"] for r in mine), key=lambda i: i != "ours")
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
             xs, vals, notes = [], [], []

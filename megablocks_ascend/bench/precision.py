@@ -146,11 +146,11 @@ def all_ok(verdicts) -> bool:
 
 def table(rows) -> str:
     """One line per tensor: ``rows`` is ``[(label, Verdict)]``; the three ratios and the verdict."""
-    head = (f"{'':40s} {'tensor':14s} {'dtype':8s} {'MARE ratio':>10s} {'MERE ratio':>10s} {'RMSE ratio':>10s}"
+    head = (f"{'':44s} {'tensor':26s} {'dtype':8s} {'MARE ratio':>10s} {'MERE ratio':>10s} {'RMSE ratio':>10s}"
             f"  (<= {THRESHOLDS['MARE']:g} / {THRESHOLDS['MERE']:g} / {THRESHOLDS['RMSE']:g})")
     lines = [head]
     for label, v in rows:
         r = v.ratios
-        lines.append(f"{label[:40]:40s} {v.tensor[:14]:14s} {v.dtype:8s} {r['MARE']:10.3g} {r['MERE']:10.3g} "
+        lines.append(f"{label[:44]:44s} {v.tensor[:26]:26s} {v.dtype:8s} {r['MARE']:10.3g} {r['MERE']:10.3g} "
                      f"{r['RMSE']:10.3g}  {'ok' if v.ok else 'FAIL ' + v.why}")
     return "\n".join(lines)

@@ -182,25 +182,31 @@ def select(only, quick):
 # One layer, one step
 
 
+def build_layer(c: dict, layer: str, dtype: torch.dtype, device: torch.device, mlp_impl: str = "grouped",
+                mlp_type: str = "mlp"):
+    """MegaBlocks' ``layer`` (``"dMoE"`` or ``"MoE"``, capacity factor 1, ``return_bias=False``) of the
+    config ``c`` (H, ffn, E, k), parameters in ``dtype`` (bfloat16, float16 or float32) on ``device``."""
+    from megablocks.layers.arguments import Arguments  # noqa: PLC0415
+    from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
+    from megablocks.layers.moe import MoE  # noqa: PLC0415
+    args = Arguments(hidden_size=c["H"], ffn_hidden_size=c["ffn"], moe_num_experts=c["E"], moe_top_k=c["k"],
+                     moe_capacity_factor=1, mlp_impl=mlp_impl, mlp_type=mlp_type, bf16=dtype == torch.bfloat16,
+                     fp16=dtype == torch.float16, return_bias=False,
+                     device=torch.cuda.current_device() if device.type == "cuda" else device)
+    return {"dMoE": dMoE, "MoE": MoE}[layer](args)
+
+
 class Case:
     """The layer (parameters shared by every variant of its family), input and output gradient."""
 
     def __init__(self, family, device, tokens, configs):
-        from megablocks.layers.arguments import Arguments  # noqa: PLC0415
-        from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
-        from megablocks.layers.moe import MoE  # noqa: PLC0415
-
         config, layer, precision, mlp_impl, mlp_type = family
         c = configs[config]
         self.precision = precision
         self.device = device
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         torch.manual_seed(0)
-        args = Arguments(hidden_size=c["H"], ffn_hidden_size=c["ffn"], moe_num_experts=c["E"], moe_top_k=c["k"],
-                         moe_capacity_factor=1, mlp_impl=mlp_impl, mlp_type=mlp_type, bf16=precision == "bf16",
-                         fp16=False, return_bias=False,
-                         device=torch.cuda.current_device() if device.type == "cuda" else device)
-        self.layer = {"dMoE": dMoE, "MoE": MoE}[layer](args)
+        self.layer = build_layer(c, layer, self.dtype, device, mlp_impl, mlp_type)
         gen = torch.Generator(device=device).manual_seed(1)
         self.x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype).requires_grad_()
         self.g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype)
@@ -574,3 +580,78 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         if base and r.get("wall_ms"):
             r["vs_up"] = base / r["wall_ms"]
     return rows
+
+
+# ------------------------------------------------------------------------------------------
+# The precision verdict of a step
+
+
+def decisive_router(layer, x: torch.Tensor, num_experts: int) -> None:
+    """Make the router's choice the same in every precision: its weight becomes the identity on the
+    first ``num_experts`` features of the input, and those features of each token a random
+    permutation of the levels 0, 0.5, 1, ... (exact in bfloat16 and in every product and sum of the
+    router's matmul), so that no two logits of a token are close and float32, bfloat16 and the
+    device pick the same experts (a near tie resolved differently would send a token to another
+    expert, an error no precision verdict could read). What is left to compare is what follows the
+    choice: the router's weights, the routing, the experts, the gradients."""
+    if x.shape[-1] < num_experts:
+        raise ValueError(f"decisive_router: hidden size {x.shape[-1]} < {num_experts} experts")
+    w = layer.router.layer.weight
+    gen = torch.Generator().manual_seed(3)
+    levels = torch.stack([torch.randperm(num_experts, generator=gen) for _ in range(x.shape[0] * x.shape[1])])
+    with torch.no_grad():
+        w.zero_()
+        w[:, :num_experts].copy_(torch.eye(num_experts, dtype=w.dtype, device=w.device))
+        x.view(-1, x.shape[-1])[:, :num_experts].copy_((levels * 0.5).to(x.dtype))
+
+
+def named_results(layer, x, y) -> dict:
+    """The output and every gradient of a step, by name."""
+    out = {"output": y.detach(), "x.grad": x.grad}
+    out.update({f"{n}.grad": p.grad for n, p in layer.named_parameters() if p.requires_grad})
+    return out
+
+
+def _one_step(layer, x, g):
+    from megablocks.layers.moe import clear_load_balancing_loss  # noqa: PLC0415
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    y = layer(x)
+    y.backward(g)
+    clear_load_balancing_loss()
+    return named_results(layer, x, y)
+
+
+def precision_verdicts(config: str, layer: str, device: torch.device, tokens: int, configs: dict,
+                       backends_: tuple, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``{backend: [Verdict]}``: one ``dtype`` training step of ``layer`` at ``config`` with ``tokens``
+    tokens run by each backend on ``device``, its output and every gradient judged against the same
+    step on the CPU in float32 (golden) and in ``dtype`` (simulation), both through the ``torch``
+    backend, from the same parameters and inputs (:mod:`~megablocks_ascend.bench.precision`; the
+    router made decisive by :func:`decisive_router`)."""
+    from megablocks_ascend.bench import precision  # noqa: PLC0415
+    c = configs[config]
+    torch.manual_seed(0)
+    module = build_layer(c, layer, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype)
+    decisive_router(module, x, c["E"])
+    got = {}
+    for b in backends_:
+        with backend_env(b):
+            got[b] = {k: (v.detach().clone() if v is not None else None) for k, v in _one_step(module, x, g).items()}
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    ref = {}
+    for label, dt in (("simulation", dtype), ("golden", precision.golden_dtype(dtype))):
+        cpu = build_layer(c, layer, dt, torch.device("cpu"))
+        cpu.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
+        xc = x.detach().cpu().to(dt).requires_grad_()
+        with backend_env("torch"):
+            ref[label] = _one_step(cpu, xc, g.cpu().to(dt))
+    out = {}
+    for b, results in got.items():
+        out[b] = [precision.judge(name, t, ref["simulation"][name], ref["golden"][name], dtype)
+                  for name, t in results.items() if t is not None]
+    return out
