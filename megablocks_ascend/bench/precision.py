@@ -3,19 +3,22 @@
 For each output and gradient of a computation three results are compared:
 
 * the **device** result: the computation as run on the device, in the device dtype;
-* the **golden**: the same computation on the CPU in a wider dtype (float32 for bfloat16 and
-  float16 results, float64 for float32 results: a golden as narrow as the computation would be
-  the computation itself), from the same input values;
+* the **golden**: the same computation on the CPU in float32 from the same input values, and in
+  float64 for a float32 computation (a float32 golden would be the computation itself, and a
+  reduction's relative error near a zero result would be judged against nothing but the floor);
 * the **simulation**: the same computation on the CPU in the device dtype: what rounding alone
   costs on a CPU.
 
 Both the device result and the simulation are measured against the golden by three errors, over the
 elements where the golden is finite (a non-finite device element there fails the tensor outright)::
 
-    MARE = max  |a - g| / (|g| + 1e-7)       maximum relative error
-    MERE = mean |a - g| / (|g| + 1e-7)       mean relative error
+    MARE = max  |a - g| / (|g| + floor)      maximum relative error
+    MERE = mean |a - g| / (|g| + floor)      mean relative error
     RMSE = sqrt(mean (a - g)^2)              root-mean-square error
 
+(an element whose golden is smaller than the floor is compared about absolutely: a reduction whose
+result is near zero by cancellation has no relative error worth the name, and in float32 one such
+element would otherwise decide a ratio of two maxima)
 and the verdict is on their ratios, ``device error / max(simulation error, floor)``, the floor being
 one unit of the dtype's precision, so that an exact simulation (a copy) does not make every rounding
 of the device fail:
@@ -43,7 +46,6 @@ import torch
 
 THRESHOLDS = {"MARE": 10.0, "MERE": 2.0, "RMSE": 2.0}
 FLOORS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-14}
-REL_EPS = 1e-7  # in the relative errors' denominator: a zero golden element is compared absolutely
 
 
 def golden_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,10 +63,10 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (den if den > 0 else 1.0)
 
 
-def errors(actual: torch.Tensor, golden: torch.Tensor) -> dict:
+def errors(actual: torch.Tensor, golden: torch.Tensor, floor: float) -> dict:
     """``{"MARE", "MERE", "RMSE", "nonfinite"}`` of ``actual`` against ``golden`` (same shape), over
-    the elements where the golden is finite; ``nonfinite`` counts the elements of ``actual`` that
-    are not finite there."""
+    the elements where the golden is finite, relative errors over ``|golden| + floor``;
+    ``nonfinite`` counts the elements of ``actual`` that are not finite there."""
     a = actual.detach().to("cpu", torch.float64).reshape(-1)
     g = golden.detach().to("cpu", torch.float64).reshape(-1)
     keep = torch.isfinite(g)
@@ -74,7 +76,7 @@ def errors(actual: torch.Tensor, golden: torch.Tensor) -> dict:
         return dict(MARE=0.0, MERE=0.0, RMSE=0.0, nonfinite=bad)
     diff = (a - g).abs()
     diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, math.inf))
-    rel = diff / (g.abs() + REL_EPS)
+    rel = diff / (g.abs() + floor)
     return dict(MARE=float(rel.max()), MERE=float(rel.mean()), RMSE=float(diff.square().mean().sqrt()),
                 nonfinite=bad)
 
@@ -108,7 +110,7 @@ def judge(tensor: str, actual: torch.Tensor, simulation: torch.Tensor, golden: t
         return Verdict(tensor, name, {}, {}, floor, {m: math.inf for m in THRESHOLDS}, False,
                        f"shapes differ: device {tuple(actual.shape)}, simulation {tuple(simulation.shape)}, "
                        f"golden {tuple(golden.shape)}")
-    dev, sim = errors(actual, golden), errors(simulation, golden)
+    dev, sim = errors(actual, golden, floor), errors(simulation, golden, floor)
     ratios = {m: dev[m] / max(sim[m], floor) for m in THRESHOLDS}
     why = []
     if dev["nonfinite"]:

@@ -378,7 +378,7 @@ def run(plan: Plan, out_dir: Path, name: str, plot_png: bool = True, log=None, l
         "precision": {"thresholds": precision.THRESHOLDS,
                       "floors": {str(k).replace("torch.", ""): v for k, v in precision.FLOORS.items()},
                       "golden": "CPU, float32 (float64 for float32 results)", "simulation": "CPU, device dtype",
-                      "rel_eps": precision.REL_EPS, "dtype": str(plan.dtype).replace("torch.", ""), "tokens_ops": plan.precision_tokens,
+                      "relative_to": "|golden| + floor", "dtype": str(plan.dtype).replace("torch.", ""), "tokens_ops": plan.precision_tokens,
                       "tokens_steps": plan.step_tokens_precision},
         "shapes": plan.shapes, "configs": {k: dict(v, T=plan.tokens) for k, v in plan.configs.items()},
     }
