@@ -70,6 +70,7 @@ class Plan:
     repeats: int = 3
     steps: int = 20
     dtype: torch.dtype = torch.bfloat16
+    precision_configs: tuple | None = None  # the step configs judged (None: every one)
     sections: tuple = ("ops", "prep", "fused", "steps")
 
     @property
@@ -277,7 +278,8 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
     else:
         raw = steps.run(variants, plan.tensor_device, settings, reference, log)
     verdicts = {}
-    for c in plan.configs:
+    for c in plan.configs if plan.precision_configs is None else [c for c in plan.configs
+                                                                  if c in plan.precision_configs]:
         for layer in ("dMoE", "MoE"):
             try:
                 verdicts[(c, layer)] = steps.precision_verdicts(c, layer, plan.tensor_device,
@@ -465,6 +467,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per step row (default 20; 3 quick)")
     parser.add_argument("--precision-tokens", type=int, default=None,
                         help="tokens of the routing-op precision problems (default 2048; 64 quick)")
+    parser.add_argument("--precision-configs", default=None,
+                        help="comma-separated step configs whose step gets the precision verdict (default: all; "
+                             "each costs a float32 and a low-precision step of the layer on the CPU)")
     parser.add_argument("--out", default="bench-results", help="directory for NAME.json, NAME.log, NAME.png")
     parser.add_argument("--name", default="bench")
     parser.add_argument("--no-plot", action="store_true")
@@ -486,6 +491,8 @@ def main(args: argparse.Namespace) -> int:
         plan.steps = args.steps
     if args.dtype:
         plan.dtype = DTYPES[args.dtype]
+    if args.precision_configs is not None:
+        plan.precision_configs = tuple(split(args.precision_configs) or ())
     if args.precision_tokens:
         plan.precision_tokens = args.precision_tokens
     if device.type == "cpu" and not args.quick:
