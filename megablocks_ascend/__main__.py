@@ -19,16 +19,6 @@ class Subcommand(NamedTuple):
     run: Callable[[argparse.Namespace], int]
 
 
-def _lower_arguments(parser: argparse.ArgumentParser) -> None:
-    from megablocks_ascend.cli import lowering  # noqa: PLC0415
-    lowering.add_arguments(parser)
-
-
-def _lower(args: argparse.Namespace) -> int:
-    from megablocks_ascend.cli import lowering  # noqa: PLC0415
-    return lowering.main(args)
-
-
 def _module_command(module: str, help: str) -> Subcommand:
     """A subcommand whose module has ``add_arguments(parser)`` and ``main(args) -> int``."""
     import importlib  # noqa: PLC0415
@@ -52,9 +42,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "time our routing kernels and MoE/dMoE steps against every alternative this device has (the torch "
         "backend; upstream's kernels on CUDA; torch_npu's fused MoE ops on an NPU), with the precision verdict "
         "(run it after selftest)"),
-    "lower": Subcommand(
+    "lower": _module_command(
+        "megablocks_ascend.cli.lowering.command",
         "lower every routing kernel with triton-ascend's front end (needs the lowering venv: "
-        "tools/ascend_lowering_env.sh)", _lower_arguments, _lower),
+        "tools/ascend_lowering_env.sh)"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The compile gate's back-end stage (megablocks_ascend.cli.bishengir) and the memory model it holds.
+"""The compile gate's back-end stage (megablocks_ascend.cli.lowering: bishengir, plan, gate) and the memory
+model it holds.
 
 The fixtures are pieces of real planned modules (``module.hivm.opt.mlir``) and compiler output of
 ``bishengir-compile`` 1.2.0 (ascendnpu-ir) for our kernels, trimmed. The model test reads the
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 from megablocks_ascend import devices
-from megablocks_ascend.cli import bishengir, lowering
+from megablocks_ascend.cli.lowering import bishengir, command, driver, gate, plan, report, table
+from megablocks_ascend.cli.lowering.configs import Config, configs, model_ub, tile_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLANS = ROOT / "tests" / "data" / "ascend_memory_plans.json"
@@ -72,46 +74,46 @@ loc("kernel.ttadapter.mlir":2:1): error: External hivmc run fails, returning mod
 
 
 def test_read_plan_cube():
-    plan = bishengir.read_plan(CUBE_PLAN)
-    assert plan["peak"] == dict(ub=0, cbuf=98304, cc=131072)  # 65536 + 16*4*16*16*2; 16*8*16*16*4
-    assert plan["buffers"] == dict(ub=0, cbuf=4, cc=1)
-    assert plan["capacity"] == dict(ub=192 * 1024, cbuf=512 * 1024, cc=128 * 1024)
-    assert (plan["core_type"], plan["task_type"]) == ("AIC", 20)
-    assert plan["sync"] == dict(set_flag=2, wait_flag=1, pipe_barrier=1)
-    assert plan["cores"] == dict(aic=20, aiv=40)
+    planned = plan.read_plan(CUBE_PLAN)
+    assert planned["peak"] == dict(ub=0, cbuf=98304, cc=131072)  # 65536 + 16*4*16*16*2; 16*8*16*16*4
+    assert planned["buffers"] == dict(ub=0, cbuf=4, cc=1)
+    assert planned["capacity"] == dict(ub=192 * 1024, cbuf=512 * 1024, cc=128 * 1024)
+    assert (planned["core_type"], planned["task_type"]) == ("AIC", 20)
+    assert planned["sync"] == dict(set_flag=2, wait_flag=1, pipe_barrier=1)
+    assert planned["cores"] == dict(aic=20, aiv=40)
     # it agrees with the model of that tile, exactly (L1 and L0C; devices.py docstring)
     model = devices.cube_bytes(devices.CubeTile(128, 256, 64), 2)
-    assert (model["l1"], model["l0c"]) == (plan["peak"]["cbuf"], plan["peak"]["cc"])
+    assert (model["l1"], model["l0c"]) == (planned["peak"]["cbuf"], planned["peak"]["cc"])
 
 
 def test_read_plan_vector_counts_every_buffer_at_its_offset():
-    plan = bishengir.read_plan(VECTOR_PLAN)
-    assert plan["peak"]["ub"] == 118176 + 8 * 512 * 4 and plan["peak"]["cbuf"] == 0
-    assert plan["buffers"]["ub"] == 7
-    assert (plan["core_type"], plan["task_type"]) == ("AIV", 10)
-    assert bishengir.percent(plan, "ub") == pytest.approx(100 * 134560 / 196608)
+    planned = plan.read_plan(VECTOR_PLAN)
+    assert planned["peak"]["ub"] == 118176 + 8 * 512 * 4 and planned["peak"]["cbuf"] == 0
+    assert planned["buffers"]["ub"] == 7
+    assert (planned["core_type"], planned["task_type"]) == ("AIV", 10)
+    assert plan.percent(planned, "ub") == pytest.approx(100 * 134560 / 196608)
 
 
 def test_read_plan_counts_a_mask_by_bits():
     """A mask of its own (not over a wider buffer), as the routing preparation's ``_count`` at 1024
     experts plans one (there ``1024x256x1``): bit-packed (at a byte per element it would end past
     the UB, which the compiler that planned it did not report)."""
-    plan = bishengir.read_plan(VECTOR_PLAN.replace(
+    planned = plan.read_plan(VECTOR_PLAN.replace(
         "    %7 = hivm.hir.pointer_cast(%c0_i64)",
         "    %c98752_i64 = arith.constant 98752 : i64\n"
         "    %8 = hivm.hir.pointer_cast(%c98752_i64) : memref<2048x256x1xi1, #hivm.address_space<ub>>\n"
         "    %7 = hivm.hir.pointer_cast(%c0_i64)"))
-    assert plan["peak"]["ub"] == 98752 + 2048 * 256 // 8  # above the f32 buffer's 134,560
+    assert planned["peak"]["ub"] == 98752 + 2048 * 256 // 8  # above the f32 buffer's 134,560
 
 
 def test_read_plan_refuses_what_it_cannot_size():
-    with pytest.raises(bishengir.PlanError, match="dynamic size"):
-        bishengir.read_plan(VECTOR_PLAN.replace("memref<8x512xbf16, #hivm", "memref<?x512xbf16, #hivm"))
-    with pytest.raises(bishengir.PlanError, match="non-constant offset"):
-        bishengir.read_plan(VECTOR_PLAN.replace("pointer_cast(%c0_i64) : memref<8x512xbf16",
+    with pytest.raises(plan.PlanError, match="dynamic size"):
+        plan.read_plan(VECTOR_PLAN.replace("memref<8x512xbf16, #hivm", "memref<?x512xbf16, #hivm"))
+    with pytest.raises(plan.PlanError, match="non-constant offset"):
+        plan.read_plan(VECTOR_PLAN.replace("pointer_cast(%c0_i64) : memref<8x512xbf16",
                                                 "pointer_cast(%arg9) : memref<8x512xbf16"))
-    with pytest.raises(bishengir.PlanError, match="UB_SIZE"):
-        bishengir.read_plan(VECTOR_PLAN.replace('"UB_SIZE"', '"XB_SIZE"'))
+    with pytest.raises(plan.PlanError, match="UB_SIZE"):
+        plan.read_plan(VECTOR_PLAN.replace('"UB_SIZE"', '"XB_SIZE"'))
 
 
 def test_classify_accepts_the_hivmc_handoff_only():
@@ -187,43 +189,101 @@ def test_missing_compiler_says_how_to_install(monkeypatch):
         bishengir.find_compiler("a9")
 
 
+def _fake_compiler(tmp_path, planned: str | None):
+    """A stand-in for bishengir-compile that reaches the hivmc handoff, writing ``planned`` as
+    its planned module (none when None)."""
+    (tmp_path / "planned.mlir").write_text(planned or "")
+    (tmp_path / "handoff.log").write_text(HANDOFF_LOG)
+    fake = tmp_path / "bishengir-compile"
+    fake.write_text("#!/bin/sh\nfor a in \"$@\"; do case \"$a\" in --save-temps=*) d=\"${a#--save-temps=}\";; esac; done\n"
+                    + (f"mkdir -p \"$d\" && cat '{tmp_path}/planned.mlir' > \"$d/{bishengir.PLANNED_MODULE}\"\n"
+                       if planned is not None else "")
+                    + f"cat '{tmp_path}/handoff.log' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    return bishengir.Compiler(str(fake), "a2a3", "PATH", "bishengir-compile (fake)")
+
+
+def test_each_reading_of_the_planned_module_lands_under_its_name(tmp_path):
+    """The back end reads the planned module with every reading it is given (the gate's:
+    ``gate.readers()``); one that cannot read it fails the target, named; without a planned
+    module every reading is None."""
+    compiler = _fake_compiler(tmp_path, VECTOR_PLAN)
+
+    def broken(text):
+        raise plan.PlanError("no census here")
+
+    readings = dict(gate.readers(), ops=lambda text: dict(lines=len(text.splitlines())))
+    res = bishengir.run(compiler, "module {}", ["--target=Ascend910B4"], readings)
+    assert (res.status, res.problems) == ("ok", [])
+    assert res.readings == dict(plan=plan.read_plan(VECTOR_PLAN), ops=dict(lines=len(VECTOR_PLAN.splitlines())))
+    res = bishengir.run(compiler, "module {}", ["--target=Ascend910B4"], dict(readings, census=broken))
+    assert res.status == "FAIL" and res.problems == ["cannot read the census: no census here"]
+    stage = bishengir.Stage(compiler, ("Ascend910B4",), _npu_options(), lambda text: (text, {"mix_mode": "aiv"}),
+                            readings)
+    out = stage.compile("module {}", "Ascend910B4")
+    assert out["plan"] == res.readings["plan"] and out["ops"] == res.readings["ops"] and out["mix_mode"] == "aiv"
+    res = bishengir.run(_fake_compiler(tmp_path, None), "module {}", ["--target=Ascend910B4"], readings)
+    assert res.readings == dict(plan=None, ops=None) and res.status == "FAIL"
+    assert res.problems == [f"no planned module ({bishengir.PLANNED_MODULE}) after the run"]
+
+
+def test_back_end_folds_every_reading_into_the_row(monkeypatch):
+    """A reading's fold adds its fields and problems to the row after the plan's."""
+    def fold(row, spec, cfg, by_target):
+        row["ops"] = by_target["Ascend910B4"]["ops"]
+        return [f"{row['ops']} ops"] if row["ops"] > 2 else []
+
+    monkeypatch.setattr(gate, "READINGS", gate.READINGS + (gate.Reading("ops", len, fold),))
+    assert set(gate.readers()) == {"plan", "ops"}
+    spec = next(s for s in table.KERNELS if s.name == "_scatter")
+    good = dict(target="Ascend910B4", status="ok", problems=[], plan=plan.read_plan(VECTOR_PLAN), ops=1,
+                seconds=0.3, mix_mode="aiv")
+    row = dict(status="ok", error="")
+    gate.back_end(row, spec, _vector_cfg(ub=200_000), {"Ascend910B4": good})
+    assert (row["status"], row["ops"], row["ub_plan"]) == ("ok", 1, 134560)
+    row = dict(status="ok", error="")
+    gate.back_end(row, spec, _vector_cfg(ub=134559), {"Ascend910B4": dict(good, ops=3)})
+    assert row["status"] == "FAIL" and row["error"] == (
+        "memory model short: UB planned 134560 > devices.ub_bytes 134559; 3 ops")
+
+
 # --------------------------------------------------------------------------------------------
 # The gate's checks on a back-end result.
 
 
 def _vector_cfg(ub=100_000):
-    return lowering.Config("_scatter", dict(dtype="bf16", hidden=1000, TOP_K=2, SCALE=True, INT64=False),
+    return Config("_scatter", dict(dtype="bf16", hidden=1000, TOP_K=2, SCALE=True, INT64=False),
                            dict(BLOCK_M=8, BLOCK_X=512, EVEN_X=False), {}, ub)
 
 
 def test_model_bound_and_launch_metadata_are_checked():
-    spec = next(s for s in lowering.KERNELS if s.name == "_scatter")
-    plan = bishengir.read_plan(VECTOR_PLAN)
-    good = dict(target="Ascend910B4", status="ok", problems=[], plan=plan, seconds=0.3, mix_mode="aiv")
+    spec = next(s for s in table.KERNELS if s.name == "_scatter")
+    planned = plan.read_plan(VECTOR_PLAN)
+    good = dict(target="Ascend910B4", status="ok", problems=[], plan=planned, seconds=0.3, mix_mode="aiv")
     row = dict(status="ok", error="")
-    lowering._back_end(row, spec, _vector_cfg(ub=134560), {"Ascend910B4": good})
+    gate.back_end(row, spec, _vector_cfg(ub=134560), {"Ascend910B4": good})
     assert row["status"] == "ok" and row["ub_plan"] == 134560 and row["sync"] == "2/1/1"
     row = dict(status="ok", error="")
-    lowering._back_end(row, spec, _vector_cfg(ub=134559), {"Ascend910B4": good})
+    gate.back_end(row, spec, _vector_cfg(ub=134559), {"Ascend910B4": good})
     assert row["status"] == "FAIL" and "memory model short: UB planned 134560 > devices.ub_bytes 134559" in row["error"]
     row = dict(status="ok", error="")
-    lowering._back_end(row, spec, _vector_cfg(ub=200_000), {"Ascend910B4": dict(good, mix_mode="mix")})
+    gate.back_end(row, spec, _vector_cfg(ub=200_000), {"Ascend910B4": dict(good, mix_mode="mix")})
     assert row["status"] == "FAIL" and "launch metadata" in row["error"]
     # a second target's failure fails the row, named
     bad = dict(good, status="FAIL", problems=["Ub overflow: the compiler turned multi-buffering off"])
     row = dict(status="ok", error="")
-    lowering._back_end(row, spec, _vector_cfg(ub=200_000), {"Ascend910B4": good, "Ascend910_9382": bad})
+    gate.back_end(row, spec, _vector_cfg(ub=200_000), {"Ascend910B4": good, "Ascend910_9382": bad})
     assert row["status"] == "FAIL" and row["error"].startswith("Ascend910_9382: Ub overflow")
 
 
 def test_report_shows_planned_memory_against_capacity():
-    spec = next(s for s in lowering.KERNELS if s.name == "_scatter")
-    plan = bishengir.read_plan(VECTOR_PLAN)
+    spec = next(s for s in table.KERNELS if s.name == "_scatter")
+    planned = plan.read_plan(VECTOR_PLAN)
     row = dict(kernel="_scatter", config="bf16 H=1000", status="ok", error="", ub_bytes=200_000, row_dma=2,
                scalar_hot=0, scalar_row=0, int_vec_hot=1)
-    lowering._back_end(row, spec, _vector_cfg(ub=200_000), {"Ascend910B4": dict(
-        target="Ascend910B4", status="ok", problems=[], plan=plan, seconds=0.3, mix_mode="aiv")})
-    text = lowering.format_table([row], footer=["time: 1 s"])
+    gate.back_end(row, spec, _vector_cfg(ub=200_000), {"Ascend910B4": dict(
+        target="Ascend910B4", status="ok", problems=[], plan=planned, seconds=0.3, mix_mode="aiv")})
+    text = report.format_table([row], footer=["time: 1 s"])
     head = text.splitlines()[0]
     assert "UB model" in head and "UB planned" in head and "sync s/w/b" in head
     assert "134560 68%" in text and "highest planned UB: 134560 68% of 196608" in text
@@ -244,9 +304,9 @@ def test_recorded_plans_name_their_compiler_and_cover_every_kernel():
     assert data["compiler"].startswith("bishengir-compile 1.2.0") and data["target"] == "Ascend910B4"
     assert data["capacity"] == dict(ub=192 * 1024, cbuf=512 * 1024, cc=128 * 1024)
     assert all(p["peak"][s] <= data["capacity"][s] for p in plans for s in ("ub", "cbuf", "cc"))
-    assert {p["kernel"] for p in plans} == {s.name for s in lowering.KERNELS}
+    assert {p["kernel"] for p in plans} == {s.name for s in table.KERNELS}
     recorded = {(p["kernel"], p["config"]) for p in plans}
-    assert {(c.kernel, c.label) for c in lowering.configs()} <= recorded  # the whole gate table
+    assert {(c.kernel, c.label) for c in configs()} <= recorded  # the whole gate table
     # every tile a launcher chooses passed the gate when it was recorded (tiles set by hand may not:
     # some lost their double-buffering, which is what the gate is for)
     failed = [(p["kernel"], p["config"]) for p in plans if p["status"] != "ok" and "(set by hand)" not in p["config"]]
@@ -254,8 +314,8 @@ def test_recorded_plans_name_their_compiler_and_cover_every_kernel():
 
 
 def _ub_model(entry):
-    spec = next(s for s in lowering.KERNELS if s.name == entry["kernel"])
-    return lowering._model_ub(spec, entry["axes"], entry["constexprs"], entry["experts"])
+    spec = next(s for s in table.KERNELS if s.name == entry["kernel"])
+    return model_ub(spec, entry["axes"], entry["constexprs"], entry["experts"])
 
 
 def test_memory_model_is_an_upper_bound_of_every_recorded_plan():
@@ -264,10 +324,10 @@ def test_memory_model_is_an_upper_bound_of_every_recorded_plan():
     _, plans = _recorded()
     short = []
     for e in plans:
-        spec = next(s for s in lowering.KERNELS if s.name == e["kernel"])
+        spec = next(s for s in table.KERNELS if s.name == e["kernel"])
         if spec.cube:
             c = e["constexprs"]
-            es = lowering.DTYPES[e["axes"]["dtype"]][2]
+            es = table.DTYPES[e["axes"]["dtype"]][2]
             model = devices.cube_bytes(devices.CubeTile(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]), es)
             if e["peak"]["cbuf"] > model["l1"] or e["peak"]["cc"] > model["l0c"]:
                 short.append((e["kernel"], e["config"], e["peak"], model))
@@ -284,12 +344,12 @@ def test_every_tile_the_launchers_choose_was_planned():
     _, plans = _recorded()
     stale = []
     for e in plans:
-        spec = next(s for s in lowering.KERNELS if s.name == e["kernel"])
+        spec = next(s for s in table.KERNELS if s.name == e["kernel"])
         if spec.kind is None or spec.cube or "(set by hand)" in e["config"]:
             continue
-        dtype = getattr(torch, lowering.DTYPES[e["axes"]["dtype"]][1])
+        dtype = getattr(torch, table.DTYPES[e["axes"]["dtype"]][1])
         t = devices.tile(spec.kind, dtype, e["axes"]["hidden"], "npu",
-                         **lowering._tile_args(spec, e["axes"], e["experts"]))
+                         **tile_args(spec, e["axes"], e["experts"]))
         if (t.block_m, t.block_x) != (e["constexprs"]["BLOCK_M"], e["constexprs"]["BLOCK_X"]):
             stale.append((e["kernel"], e["config"], t))
     assert not stale, f"{len(stale)} recorded tiles are not what devices.tile picks now, e.g. {stale[:3]}"
@@ -346,11 +406,11 @@ def test_gate_fails_an_oversized_cube_tile_by_the_lost_double_buffering():
 
 def test_lower_refuses_an_axis_or_constexpr_no_kernel_has(capsys):
     import argparse
-    args = argparse.Namespace(json=None, dump=None, only="_scatter", arch=lowering.TARGET_ARCH, argv=None,
+    args = argparse.Namespace(json=None, dump=None, only="_scatter", arch=driver.TARGET_ARCH, argv=None,
                               axis=["TOPK=8"], set=None, front_end_only=True, targets=None, jobs=None,
                               experts=None, plans=None)
-    assert lowering.main(args) == 2  # before anything is lowered, with or without triton-ascend
+    assert command.main(args) == 2  # before anything is lowered, with or without triton-ascend
     assert "--axis TOPK: no kernel matching --only _scatter has it" in capsys.readouterr().err
     args.axis, args.set = ["TOP_K=8"], ["BLOCK_N=64"]  # a cube tile side, not a _scatter constexpr
-    assert lowering.main(args) == 2
+    assert command.main(args) == 2
     assert "--set BLOCK_N: no kernel matching --only _scatter has it" in capsys.readouterr().err

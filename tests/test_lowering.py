@@ -1,4 +1,4 @@
-"""The Ascend compile gate (megablocks_ascend.cli.lowering) in the project venv (standard triton).
+"""The Ascend compile gate (the package megablocks_ascend.cli.lowering) in the project venv (standard triton).
 
 The IR fixtures below are pieces of real triton-ascend 3.2.0 ``ttadapter`` output for our kernels
 (constants and unrelated ops trimmed). The one test that lowers needs triton-ascend and is skipped
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from megablocks_ascend import compat, devices
-from megablocks_ascend.cli import lowering
+from megablocks_ascend.cli.lowering import command, driver, ir, report, table
+from megablocks_ascend.cli.lowering.configs import configs
 from megablocks_ascend.kernels import blocksparse, grouped, preparation, routing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _constexpr_names(spec):
-    return {k for k in spec.axes if k not in lowering.SIZE_AXES} | set(spec.derived)
+    return {k for k in spec.axes if k not in table.SIZE_AXES} | set(spec.derived)
 
 
 @pytest.mark.parametrize("module", [routing, preparation, blocksparse, grouped],
@@ -36,29 +37,29 @@ def _constexpr_names(spec):
 def test_every_kernel_has_a_table(module):
     kernels = {name for name, obj in vars(module).items() if isinstance(obj, type(routing._gather))}
     short = module.__name__.rsplit(".", 1)[-1]
-    assert kernels == {s.name for s in lowering.KERNELS if s.module == short}
-    assert all(s.cube == (short == "blocksparse" and s.name != "_row_indices") for s in lowering.KERNELS
+    assert kernels == {s.name for s in table.KERNELS if s.module == short}
+    assert all(s.cube == (short == "blocksparse" and s.name != "_row_indices") for s in table.KERNELS
                if s.module == short)
 
 
-@pytest.mark.parametrize("spec", lowering.KERNELS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", table.KERNELS, ids=lambda s: s.name)
 def test_table_names_match_kernel_signature(spec):
-    runtime, constexpr = lowering.kernel_params(lowering._kernel(spec).fn)
+    runtime, constexpr = table.kernel_params(spec.kernel().fn)
     assert set(constexpr) == _constexpr_names(spec)
     for name in spec.data_ptrs:
         assert name in runtime
-    cfg = next(c for c in lowering.configs([spec]))
+    cfg = next(c for c in configs([spec]))
     assert set(cfg.constexprs) == set(constexpr)
     # every non-pointer runtime argument gets a representative value
     assert set(cfg.scalars) == {n for n in runtime if n in cfg.scalars}
     assert set(cfg.scalars) | set(spec.data_ptrs) | _index_ptrs(spec.name) == set(runtime)
 
 
-@pytest.mark.parametrize("spec", lowering.ROUTING_KERNELS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", table.ROUTING_KERNELS, ids=lambda s: s.name)
 def test_table_knows_which_kernels_unroll_top_k(spec):
     """Their Unified Buffer plan grows with top_k, so their launchers pass it to devices.tile."""
     import inspect
-    source = inspect.getsource(lowering._kernel(spec).fn)
+    source = inspect.getsource(spec.kernel().fn)
     assert spec.unrolls_top_k == ("static_range(TOP_K)" in source)
 
 
@@ -81,11 +82,11 @@ def _index_ptrs(name):
 
 
 def test_table_axes_cover_every_value():
-    by_name = {s.name: s for s in lowering.KERNELS}
+    by_name = {s.name: s for s in table.KERNELS}
     assert set(by_name["_gather"].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
     for name in ("_route_map", "_scatter_one", "_wgrad_one", "_gather_tokens"):
         assert set(by_name[name].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
-    for spec in lowering.KERNELS:
+    for spec in table.KERNELS:
         for flag in ("SCALE", "INT64"):
             if flag in spec.axes:
                 assert set(spec.axes[flag]) == {False, True}
@@ -99,8 +100,8 @@ def test_table_axes_cover_every_value():
 
 
 def test_configs_are_the_full_product():
-    cfgs = lowering.configs()
-    for spec in lowering.KERNELS:
+    cfgs = configs()
+    for spec in table.KERNELS:
         n = 1
         for values in spec.axes.values():
             n *= len(values)
@@ -124,7 +125,7 @@ class _Recorder:
 
 def _launcher_calls(monkeypatch, int64):
     calls = []
-    for name in [s.name for s in lowering.ROUTING_KERNELS]:
+    for name in [s.name for s in table.ROUTING_KERNELS]:
         monkeypatch.setattr(routing, name, _Recorder(name, calls))
     if int64:
         monkeypatch.setattr(routing, "_INT32_LIMIT", 1)  # every tensor counts as huge
@@ -133,38 +134,38 @@ def _launcher_calls(monkeypatch, int64):
     tokens = 4
     # every row-gather launcher of the module (gather_rows, and gather_tokens_rows where it exists)
     gathers = [getattr(routing, n) for n in ("gather_rows", "gather_tokens_rows") if hasattr(routing, n)]
-    for dname, (_, tname, _) in lowering.DTYPES.items():
+    for dname, (_, tname, _) in table.DTYPES.items():
         dtype = getattr(torch, tname)
-        for hidden in lowering.HIDDEN_SIZES:
-            for top_k in lowering.TOP_KS:
+        for hidden in table.HIDDEN_SIZES:
+            for top_k in table.TOP_KS:
                 n = tokens * top_k
                 x = torch.zeros(tokens, hidden, dtype=dtype)
                 indices = torch.arange(n, dtype=torch.int32)
-                bins = torch.tensor([n // 2, n] * (lowering.EXPERTS // 2), dtype=torch.int32).sort().values
+                bins = torch.tensor([n // 2, n] * (table.EXPERTS // 2), dtype=torch.int32).sort().values
                 w = torch.ones(n, dtype=dtype)
                 y = torch.zeros(n, hidden, dtype=dtype)
                 s2r = torch.arange(n, dtype=torch.int32)
                 # each launcher picks its tile itself, as on an NPU (devices.target is "npu" here)
                 for weights in (None, w):
-                    for layout in lowering.LAYOUTS:
+                    for layout in table.LAYOUTS:
                         for launcher in gathers:
                             launcher(x, indices, bins, bins, weights, layout=layout, num_rows=n, top_k=top_k,
                                      capacity=n, num_programs=1)
                     routing.scatter_rows(y, s2r, weights, num_tokens=tokens, top_k=top_k, num_programs=1)
-                    for layout in lowering.LAYOUTS:
+                    for layout in table.LAYOUTS:
                         if top_k == 1:
                             routing.scatter_one_rows(y, indices, bins, bins, weights, layout=layout, capacity=n,
                                                      num_programs=1)
                 routing.wgrad_rows(y, x, s2r, top_k=top_k, num_programs=1)
                 if top_k == 1:
-                    for layout in lowering.LAYOUTS:
+                    for layout in table.LAYOUTS:
                         routing.wgrad_one_rows(y, x, indices, bins, bins, layout=layout, capacity=n, num_programs=1)
                 yield dname, hidden, calls
                 calls.clear()
-    for layout in lowering.LAYOUTS:
+    for layout in table.LAYOUTS:
         routing.route_map(torch.arange(8, dtype=torch.int32), torch.tensor([4, 8], dtype=torch.int32)
-                          .repeat_interleave(lowering.EXPERTS // 2), None, layout=layout, capacity=4,
-                          block_m=lowering.ROUTE_MAP_BLOCK_M, num_programs=1)
+                          .repeat_interleave(table.EXPERTS // 2), None, layout=layout, capacity=4,
+                          block_m=table.ROUTE_MAP_BLOCK_M, num_programs=1)
         yield None, None, calls
         calls.clear()
 
@@ -172,25 +173,25 @@ def _launcher_calls(monkeypatch, int64):
 @pytest.mark.parametrize("int64", [False, True])
 def test_table_covers_every_launch(monkeypatch, int64):
     """Every constexpr combination the launchers produce (on an NPU's tiles) is in the table."""
-    table = {}
-    for cfg in lowering.configs():
+    gated = {}
+    for cfg in configs():
         key = (cfg.kernel, cfg.axes.get("dtype"), cfg.axes.get("hidden"))
-        table.setdefault(key, []).append(cfg.constexprs)
+        gated.setdefault(key, []).append(cfg.constexprs)
     seen = 0
     for dname, hidden, calls in _launcher_calls(monkeypatch, int64):
         for kernel, kwargs in calls:
-            spec = next(s for s in lowering.KERNELS if s.name == kernel)
+            spec = next(s for s in table.KERNELS if s.name == kernel)
             names = _constexpr_names(spec)
             assert names <= set(kwargs), f"{kernel}: launcher passes {sorted(kwargs)}"
             launched = {k: kwargs[k] for k in names}
             if kernel == "_route_map" and launched["BLOCK_M"] == 64:
                 # route_map's default for CPU tensors (a launcher called it without block_m here);
                 # on a device it is ROUTE_MAP_BLOCK_M
-                launched["BLOCK_M"] = lowering.ROUTE_MAP_BLOCK_M
+                launched["BLOCK_M"] = table.ROUTE_MAP_BLOCK_M
             if "BLOCK_E" in launched:
-                assert launched["BLOCK_E"] == devices.block_e(lowering.EXPERTS)
+                assert launched["BLOCK_E"] == devices.block_e(table.EXPERTS)
             key = (kernel, dname if "dtype" in spec.axes else None, hidden if "hidden" in spec.axes else None)
-            assert launched in table[key], f"{kernel} {dname} H={hidden}: {launched} not in the table"
+            assert launched in gated[key], f"{kernel} {dname} H={hidden}: {launched} not in the table"
             seen += 1
     assert seen > 0
 
@@ -200,16 +201,16 @@ def test_preparation_table_covers_every_launch(monkeypatch):
     and a grid of PREP_PROGRAMS) is in the table: the preparation of int32 and int64 ids with
     each route map, and the megablocks_ops stand-in's sort and histogram."""
     calls = []
-    for spec in lowering.PREPARATION_KERNELS:
+    for spec in table.PREPARATION_KERNELS:
         monkeypatch.setattr(preparation, spec.name, _Recorder(spec.name, calls))
-    experts = lowering.EXPERTS
+    experts = table.EXPERTS
     tile = devices.prep_tile(experts, "npu")
-    n = lowering.PREP_PROGRAMS * tile.block_m * 3  # every program gets work
-    launch = dict(tile=tile, num_programs=lowering.PREP_PROGRAMS)
+    n = table.PREP_PROGRAMS * tile.block_m * 3  # every program gets work
+    launch = dict(tile=tile, num_programs=table.PREP_PROGRAMS)
     seen = []
     for dtype, index in ((torch.int32, "i32"), (torch.int64, "i64")):
         ids = torch.zeros(n, dtype=dtype)
-        for route in lowering.ROUTES:
+        for route in table.ROUTES:
             preparation.prepare_routing(ids, experts, 128 if route == routing.PADDED else 0, route, 4, **launch)
             seen.append((index, list(calls)))
             calls.clear()
@@ -219,15 +220,15 @@ def test_preparation_table_covers_every_launch(monkeypatch):
         preparation.histogram(x, experts, **launch)
         seen.append((index, list(calls)))
         calls.clear()
-    table = {}
-    for cfg in lowering.configs(lowering.PREPARATION_KERNELS):
-        table.setdefault((cfg.kernel, cfg.axes["index"]), []).append(cfg.constexprs)
+    gated = {}
+    for cfg in configs(table.PREPARATION_KERNELS):
+        gated.setdefault((cfg.kernel, cfg.axes["index"]), []).append(cfg.constexprs)
     kernels = set()
     for index, launches in seen:
         for kernel, kwargs in launches:
-            spec = next(s for s in lowering.PREPARATION_KERNELS if s.name == kernel)
+            spec = next(s for s in table.PREPARATION_KERNELS if s.name == kernel)
             launched = {k: kwargs[k] for k in _constexpr_names(spec)}
-            assert launched in table[(kernel, index)], f"{kernel} {index}: {launched} not in the table"
+            assert launched in gated[(kernel, index)], f"{kernel} {index}: {launched} not in the table"
             kernels.add(kernel)
     assert kernels == {"_count", "_place"}
 
@@ -237,12 +238,12 @@ def _blocksparse_launches(monkeypatch, int64):
     or transposed views, both transposes of the sparse operand), with an NPU's tiles; yields the
     constexprs each launch passes."""
     calls = []
-    for spec in lowering.CUBE_KERNELS:
+    for spec in table.CUBE_KERNELS:
         monkeypatch.setattr(blocksparse, spec.name, _Recorder(spec.name, calls))
     monkeypatch.setattr(compat, "dot_needs_float32", lambda dtype, device: False)  # as on an NPU
     if int64:
         monkeypatch.setattr(blocksparse, "_OFFSET_LIMIT", 0)
-    b = lowering.CUBE_BLOCK
+    b = table.CUBE_BLOCK
     one = torch.ones(1, dtype=torch.int16)
     offsets = torch.tensor([0, 1], dtype=torch.int32)
     block_offsets = torch.zeros(1, dtype=torch.int32)
@@ -252,9 +253,9 @@ def _blocksparse_launches(monkeypatch, int64):
     def dense(rows, cols, dtype, column_major):
         return torch.zeros(cols, rows, dtype=dtype).t() if column_major else torch.zeros(rows, cols, dtype=dtype)
 
-    for dname, (_, tname, _) in lowering.DTYPES.items():
+    for dname, (_, tname, _) in table.DTYPES.items():
         dtype = getattr(torch, tname)
-        for hidden in lowering.HIDDEN_SIZES:
+        for hidden in table.HIDDEN_SIZES:
             tiles = {k: devices.cube_tile(k, dtype, b, hidden, "npu") for k in devices.CUBE_KINDS}
             data = torch.zeros(1, b, b, dtype=dtype)
             for lhs_cm in (False, True):
@@ -279,20 +280,20 @@ def _blocksparse_launches(monkeypatch, int64):
 @pytest.mark.parametrize("int64", [False, True])
 def test_cube_table_covers_every_launch(monkeypatch, int64):
     """Every constexpr combination the block-sparse launchers pass on an NPU is in the table."""
-    table = {}
-    for cfg in lowering.configs(lowering.CUBE_KERNELS):
-        table.setdefault((cfg.kernel, cfg.axes.get("dtype"), cfg.axes.get("hidden")), []).append(cfg.constexprs)
+    gated = {}
+    for cfg in configs(table.CUBE_KERNELS):
+        gated.setdefault((cfg.kernel, cfg.axes.get("dtype"), cfg.axes.get("hidden")), []).append(cfg.constexprs)
     seen = set()
     for dname, hidden, calls in _blocksparse_launches(monkeypatch, int64):
         for kernel, kwargs in calls:
-            spec = next(s for s in lowering.CUBE_KERNELS if s.name == kernel)
+            spec = next(s for s in table.CUBE_KERNELS if s.name == kernel)
             names = _constexpr_names(spec)
             assert names <= set(kwargs), f"{kernel}: launcher passes {sorted(kwargs)}"
             launched = {k: kwargs[k] for k in names}
             assert launched["INT64"] is int64 if "INT64" in launched else True
-            assert launched in table[(kernel, dname, hidden)], f"{kernel} {dname} H={hidden}: {launched}"
+            assert launched in gated[(kernel, dname, hidden)], f"{kernel} {dname} H={hidden}: {launched}"
             seen.add(kernel)
-    assert seen == {s.name for s in lowering.CUBE_KERNELS}
+    assert seen == {s.name for s in table.CUBE_KERNELS}
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,15 +334,15 @@ def _cube_module(k_loop: str, store: str = CUBE_TILE_STORE) -> str:
 
 
 def test_cube_k_loop_counts():
-    res = lowering.analyze_cube_ir(_cube_module(CUBE_K_LOOP))
+    res = ir.analyze_cube_ir(_cube_module(CUBE_K_LOOP))
     assert res == dict(mmad=1, tile_dma=2, strided_dma=0, transposes=0, scalar_k=1, scalar_data_k=0,
                        discrete_k=0, tile_stores=1, k_loops=1, mix_mode="mix")
-    assert lowering.cube_problems(res) == []
+    assert ir.cube_problems(res) == []
 
 
 def test_cube_gate_rejects_strided_tiles_scalar_data_and_missing_matmul():
-    def problems(ir):
-        return lowering.cube_problems(lowering.analyze_cube_ir(ir))
+    def problems(module):
+        return ir.cube_problems(ir.analyze_cube_ir(module))
     strided = CUBE_K_LOOP.replace("        %51 = linalg.matmul", STRIDED_COPY + "        %51 = linalg.matmul")
     assert any("non-unit inner stride" in p for p in problems(_cube_module(strided)))
     scalar = CUBE_K_LOOP.replace("        %51 = linalg.matmul", SCALAR_DATA_LOAD + "        %51 = linalg.matmul")
@@ -350,14 +351,14 @@ def test_cube_gate_rejects_strided_tiles_scalar_data_and_missing_matmul():
     assert any("tl.dot did not lower" in p for p in problems(_cube_module(no_dot)))
     assert any("whole-tile store" in p for p in problems(_cube_module(CUBE_K_LOOP, store="")))
     masked = CUBE_K_LOOP.replace("        %51 = linalg.matmul", MASKED_COPY + "        %51 = linalg.matmul")
-    assert lowering.analyze_cube_ir(_cube_module(masked))["tile_dma"] == 3 and problems(_cube_module(masked)) == []
+    assert ir.analyze_cube_ir(_cube_module(masked))["tile_dma"] == 3 and problems(_cube_module(masked)) == []
 
 
 def test_format_table_has_a_cube_table():
     cube = dict(kernel="_dsd", config="bf16 H=1024", status="ok", cube=True, mix_mode="mix", mmad=1, tile_dma=2,
                 transposes=0, scalar_k=1, scalar_data_k=0, tile_stores=1,
                 cube_bytes=dict(l0a=32768, l0b=65536, l0c=131072, l1=98304))
-    text = lowering.format_table([_result("_scatter", "ok"), cube])
+    text = report.format_table([_result("_scatter", "ok"), cube])
     lines = text.splitlines()
     assert lines[-1] == "lowered: 2/2"
     head = next(line for line in lines if line.startswith("kernel") and "matmul" in line)
@@ -453,12 +454,12 @@ def _in_feature_loop(body: str) -> str:
 
 
 def test_row_store_is_row_dma():
-    res = lowering.analyze_ir(_module(_in_feature_loop(ROW_STORE_LOOP)), block_x=512)
+    res = ir.analyze_ir(_module(_in_feature_loop(ROW_STORE_LOOP)), block_x=512)
     assert res["row_dma"] == 1 and res["row_dma_hot"] == 1 and res["scalar_hot"] == 0
 
 
 def test_masked_row_store_is_scalar_and_counted_once():
-    res = lowering.analyze_ir(_module(_in_feature_loop(MASKED_ROW_STORE_LOOP)), block_x=512)
+    res = ir.analyze_ir(_module(_in_feature_loop(MASKED_ROW_STORE_LOOP)), block_x=512)
     assert res["row_dma"] == 0
     assert res["scalar_hot"] == 1  # one static scalar store op, in a loop nest over rows x columns
     assert res["discrete_loops"] == 1
@@ -472,7 +473,7 @@ def _module(body: str) -> str:
 
 
 def test_row_copy_is_counted_as_row_dma_not_scalar():
-    res = lowering.analyze_ir(_module(ROW_COPY_LOOP), block_x=512)
+    res = ir.analyze_ir(_module(ROW_COPY_LOOP), block_x=512)
     assert res["row_dma"] == 1 and res["row_dma_hot"] == 1
     assert res["parallel_loops"] == 1 and res["feature_loops"] == 1
     assert res["scalar_hot"] == 0 and res["scalar_row"] == 0
@@ -480,35 +481,35 @@ def test_row_copy_is_counted_as_row_dma_not_scalar():
 
 
 def test_scalar_gather_outside_feature_loop_is_per_row():
-    res = lowering.analyze_ir(_module(SCALAR_GATHER_LOOP + ROW_COPY_LOOP), block_x=512)
+    res = ir.analyze_ir(_module(SCALAR_GATHER_LOOP + ROW_COPY_LOOP), block_x=512)
     assert res["scalar_row"] == 1 and res["scalar_hot"] == 0
     assert res["discrete_loops"] == 2 and res["parallel_loops"] == 1
 
 
 def test_scalar_gather_inside_feature_loop_is_hot():
     hot = ROW_COPY_LOOP.replace("        %42 = bufferization", SCALAR_GATHER_LOOP + "        %42 = bufferization")
-    res = lowering.analyze_ir(_module(hot), block_x=512)
+    res = ir.analyze_ir(_module(hot), block_x=512)
     assert res["scalar_hot"] == 1 and res["scalar_row"] == 0
     # without BLOCK_X nothing is a feature loop
-    res = lowering.analyze_ir(_module(hot), block_x=None)
+    res = ir.analyze_ir(_module(hot), block_x=None)
     assert res["scalar_hot"] == 0 and res["scalar_row"] == 1
 
 
 def test_scalar_store_is_counted():
-    res = lowering.analyze_ir(_module(SCALAR_STORE_LOOP), block_x=None)
+    res = ir.analyze_ir(_module(SCALAR_STORE_LOOP), block_x=None)
     assert res["scalar_row"] == 1 and res["row_dma"] == 0
 
 
 def test_unmarked_scalar_access_in_feature_loop_is_hot():
-    ir = _module(ROW_COPY_LOOP.replace(
+    module = _module(ROW_COPY_LOOP.replace(
         "        %42 = bufferization",
         "        %99 = memref.load %alloc_5[%c0, %c0] : memref<32x512xf16>\n        %42 = bufferization"))
-    res = lowering.analyze_ir(ir, block_x=512)
+    res = ir.analyze_ir(module, block_x=512)
     assert res["scalar_hot"] == 1 and res["scalar_unmarked"] == 1
 
 
 def test_parse_loops_reads_closing_attributes():
-    roots, consts = lowering.parse_loops(_module(ROW_COPY_LOOP))
+    roots, consts = ir.parse_loops(_module(ROW_COPY_LOOP))
     assert consts["%c512_i32"] == 512 and consts["%c32"] == 32
     (outer,) = roots
     (feature,) = outer.children
@@ -528,7 +529,7 @@ def _result(kernel, status, **kw):
 
 
 def test_format_table_last_line_and_failures():
-    text = lowering.format_table([_result("_scatter", "ok"),
+    text = report.format_table([_result("_scatter", "ok"),
                                   _result("_gather", "FAIL", error="NameError: DROPLESS", row_dma=None)])
     lines = text.splitlines()
     assert lines[-1] == "lowered: 1/2"
@@ -539,14 +540,14 @@ def test_format_table_last_line_and_failures():
 
 
 def test_missing_triton_ascend_error(monkeypatch):
-    monkeypatch.setattr(lowering, "have_triton_ascend", lambda: False)
-    with pytest.raises(lowering.TritonAscendMissing, match="tools/ascend_lowering_env.sh"):
-        lowering.Lowerer()
-    args = argparse.Namespace(json=None, dump=None, only=None, arch=lowering.TARGET_ARCH, argv=["lower"])
-    assert lowering.main(args) == 2
+    monkeypatch.setattr(driver, "have_triton_ascend", lambda: False)
+    with pytest.raises(driver.TritonAscendMissing, match="tools/ascend_lowering_env.sh"):
+        driver.Lowerer()
+    args = argparse.Namespace(json=None, dump=None, only=None, arch=driver.TARGET_ARCH, argv=["lower"])
+    assert command.main(args) == 2
 
 
-@pytest.mark.skipif(lowering.have_triton_ascend(), reason="triton-ascend is installed here")
+@pytest.mark.skipif(driver.have_triton_ascend(), reason="triton-ascend is installed here")
 def test_lower_command_without_triton_ascend_fails_clearly():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "megablocks_ascend", "lower"], cwd=ROOT, env=env,
@@ -563,7 +564,7 @@ def test_subcommand_table():
     assert (args.command, args.json, args.dump) == ("lower", "r.json", "ir")
 
 
-@pytest.mark.skipif(not lowering.have_triton_ascend(), reason="needs triton-ascend (tools/ascend_lowering_env.sh)")
+@pytest.mark.skipif(not driver.have_triton_ascend(), reason="needs triton-ascend (tools/ascend_lowering_env.sh)")
 def test_lower_one_kernel(tmp_path):
     # In a fresh process: this one imported triton with the interpreter on (megablocks_ascend/__init__).
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -597,16 +598,16 @@ def test_tool_crashes_are_retried_and_reported_but_compile_errors_are_not():
                 raise self.failures.pop(0)
             return "ttir", "ir"
 
-    spec, cfg = lowering.KERNELS[0], None
+    spec, cfg = table.KERNELS[0], None
     flaky = Flaky([crash])
-    assert lowering._lower_retrying_tool_crashes(flaky, spec, cfg) == ("ttir", "ir", 1)
+    assert driver.lower_retrying_tool_crashes(flaky, spec, cfg) == ("ttir", "ir", 1)
     with pytest.raises(subprocess.CalledProcessError):
-        lowering._lower_retrying_tool_crashes(Flaky([error]), spec, cfg)
-    always = Flaky([crash] * (lowering.TOOL_CRASH_RETRIES + 1))
+        driver.lower_retrying_tool_crashes(Flaky([error]), spec, cfg)
+    always = Flaky([crash] * (driver.TOOL_CRASH_RETRIES + 1))
     with pytest.raises(subprocess.CalledProcessError):
-        lowering._lower_retrying_tool_crashes(always, spec, cfg)
-    assert always.calls == lowering.TOOL_CRASH_RETRIES + 1
-    text = lowering.format_table([_result("_scatter", "ok", tool_crashes=1)])
+        driver.lower_retrying_tool_crashes(always, spec, cfg)
+    assert always.calls == driver.TOOL_CRASH_RETRIES + 1
+    text = report.format_table([_result("_scatter", "ok", tool_crashes=1)])
     assert "tool crashes retried" in text and text.splitlines()[-1] == "lowered: 1/1"
 
 
@@ -614,18 +615,18 @@ def test_tool_crashes_are_retried_and_reported_but_compile_errors_are_not():
 def test_fill_table_covers_every_launch(monkeypatch, int64):
     """The zero fill of empty groups: every constexpr combination its launcher passes with an NPU's
     tile, at the table's group sizes, is in the table."""
-    table = {(c.axes["dtype"], c.axes["hidden"]): c.constexprs for c in lowering.configs(lowering.GROUPED_KERNELS)
+    gated = {(c.axes["dtype"], c.axes["hidden"]): c.constexprs for c in configs(table.GROUPED_KERNELS)
              if c.axes["INT64"] is int64}
     calls = []
     monkeypatch.setattr(grouped, "_zero_empty_groups", _Recorder("_zero_empty_groups", calls))
     if int64:
         monkeypatch.setattr(grouped, "_INT32_LIMIT", 1)
-    for dname, (_, tname, _) in lowering.DTYPES.items():
+    for dname, (_, tname, _) in table.DTYPES.items():
         dtype = getattr(torch, tname)
-        for hidden in lowering.HIDDEN_SIZES:
-            out = torch.empty(2, lowering.FILL_ROWS, hidden, dtype=dtype)
+        for hidden in table.HIDDEN_SIZES:
+            out = torch.empty(2, table.FILL_ROWS, hidden, dtype=dtype)
             grouped.zero_empty_groups(out, torch.tensor([0, 5]), block=devices.fill_block(dtype, "npu"),
                                       num_programs=1)
             (_, kwargs), = calls
             calls.clear()
-            assert kwargs == table[(dname, hidden)], (dname, hidden)
+            assert kwargs == gated[(dname, hidden)], (dname, hidden)

@@ -24,7 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megablocks_ascend import devices  # noqa: E402
-from megablocks_ascend.cli import lowering  # noqa: E402
+from megablocks_ascend.cli.lowering import table  # noqa: E402
+from megablocks_ascend.cli.lowering.configs import tile_args  # noqa: E402
 
 FIELDS = ("dtype_copies", "f32_copies", "masks", "dtype_copies_k", "f32_copies_k", "per_row",
           "per_row_expert", "per_column", "fixed")
@@ -34,8 +35,8 @@ STEPS = (1 / 16, 1 / 16, 1 / 16, 1 / 16, 1 / 16, 16, 1 / 8, 1 / 8, 1024)  # roun
 def features(entry: dict, spec) -> list[float]:
     """The terms of ``devices.ub_bytes`` per unit coefficient, for one recorded plan."""
     c, axes = entry["constexprs"], entry["axes"]
-    bm, bx, es = c["BLOCK_M"], c["BLOCK_X"], lowering.DTYPES[axes["dtype"]][2]
-    args = lowering._tile_args(spec, axes, entry["experts"])
+    bm, bx, es = c["BLOCK_M"], c["BLOCK_X"], table.DTYPES[axes["dtype"]][2]
+    args = tile_args(spec, axes, entry["experts"])
     k, be = args["top_k"], devices.block_e(args["num_experts"])
     t = devices.UB_BUFFERS * bm * bx
     return [t * es, t * 4, 0 if c["EVEN_X"] else t, t * es * (k - 1), t * 4 * (k - 1),
@@ -44,7 +45,7 @@ def features(entry: dict, spec) -> list[float]:
 
 def main(path: str) -> int:
     plans = json.loads(pathlib.Path(path).read_text())["plans"]
-    specs = {s.name: s for s in lowering.ROUTING_KERNELS if s.kind is not None}
+    specs = {s.name: s for s in table.ROUTING_KERNELS if s.kind is not None}
     kinds = sorted({s.kind for s in specs.values()})
     for kind in kinds:
         rows = [e for e in plans if e["kernel"] in specs and specs[e["kernel"]].kind == kind]

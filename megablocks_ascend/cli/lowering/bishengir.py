@@ -6,27 +6,16 @@ triton-ascend 3.2.0 compiles a kernel for an A2/A3 NPU in three stages: ``ttir``
 insertion, multi-buffering) and then hands the planned module to CANN's ``hivmc``, which makes the
 binary. ``bishengir-compile`` is on PyPI (``ascendnpu-ir``, pinned in
 ``tools/ascend_lowering_env.sh``); ``hivmc`` is not. This module runs the ``npubin`` stage up to
-that handoff, on CPU, with the flags triton-ascend passes, and reads the planned module that
-``--save-temps`` keeps (``module.hivm.opt.mlir``):
-
-* every on-chip buffer is a ``hivm.hir.pointer_cast(%offset) : memref<SHAPE x T,
-  #hivm.address_space<SPACE>>`` at a constant byte offset in ``ub`` (a vector core's Unified
-  Buffer), ``cbuf`` (an AI core's L1) or ``cc`` (its L0C); the planned peak of a space is the
-  largest ``offset + size``, an ``i1`` element counted as a bit, as the planner packs masks: the
-  routing preparation at 1024 experts plans a ``1024x256x1xi1`` mask of its own at offset 98,752,
-  where a byte per element would end 164 KiB past the Unified Buffer, and the compiler reported no
-  overflow (elsewhere masks lie over buffers of wider types and never set a peak);
-* the module carries the target's capacities (``UB_SIZE``, ``L1_SIZE``, ``L0C_SIZE`` ... in bits)
-  and core counts, the kernel's core type (``hivm.module_core_type``: ``AIV`` vector, ``AIC``
-  cube, ``MIX``) and the task type the launcher reads back (``<kernel>_infer_task_type_function``:
-  10 vector, 20 cube, 3x/4x mixed);
-* the synchronisation the solver inserted: ``hivm.hir.set_flag`` / ``wait_flag`` / ``pipe_barrier``.
+that handoff, on CPU, with the flags triton-ascend passes, keeps the planned module that
+``--save-temps`` writes (``module.hivm.opt.mlir``) and reads it with the gate's readings, in the
+worker thread that ran the compiler (:data:`.gate.READINGS`: the memory plan, :mod:`.plan`).
 
 What fails a configuration (:func:`classify`): any compiler error other than the absent ``hivmc``
 (a buffer that does not fit at all is an error: ``ub overflow, requires N bits while M bits
-available``, ``cc overflow``), a handoff without the planned module, and the note
-``[NOTE] Ub overflow detected; automatically set enable-auto-multi-buffer to false`` (or ``Cbuf``):
-the compiler then succeeds silently without the double-buffering the kernel was sized for.
+available``, ``cc overflow``), a handoff without the planned module or with one a reading
+cannot read, and the note ``[NOTE] Ub overflow detected; automatically set
+enable-auto-multi-buffer to false`` (or ``Cbuf``): the compiler then succeeds silently without the
+double-buffering the kernel was sized for.
 
 Nothing here imports triton; the functions that read triton-ascend's source take it as text.
 """
@@ -41,6 +30,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+from megablocks_ascend.cli.lowering.plan import PlanError
 
 # --------------------------------------------------------------------------------------------
 # The compiler.
@@ -195,11 +187,16 @@ def check_npubin_source(source: str) -> list[str]:
 # Running it.
 
 
+# What to read of a planned module: name -> function of its text, which raises PlanError when the
+# module is not as it expects. Each reading lands under its name in a target's result.
+Readings = dict[str, Callable[[str], object]]
+
+
 @dataclasses.dataclass
 class BackendResult:
     status: str  # "ok" (the hivmc handoff, or a binary where hivmc exists) or "FAIL"
     problems: list
-    plan: dict | None
+    readings: dict  # name -> the reading of the planned module (None each when none was written)
     seconds: float
     log: str  # the compiler's output, without the expected hivmc lines
 
@@ -235,11 +232,11 @@ def classify(returncode: int, output: str, planned: str | None) -> tuple[str, li
     return ("FAIL" if problems else "ok"), problems, log
 
 
-def run(compiler: Compiler, linalg: str, flags: list[str], *, keep: str | None = None,
+def run(compiler: Compiler, linalg: str, flags: list[str], readings: Readings, *, keep: str | None = None,
         timeout: float = 300.0) -> BackendResult:
     """Compile one configuration's Ascend IR (the ttadapter output with ``mix_mode`` already
-    removed, as triton-ascend does) and read its plan. ``keep``: a directory to keep the input,
-    the compiler's temporaries and its output in."""
+    removed, as triton-ascend does) and read its planned module with each of ``readings``.
+    ``keep``: a directory to keep the input, the compiler's temporaries and its output in."""
     import time  # noqa: PLC0415
     with tempfile.TemporaryDirectory(prefix="bishengir-") as tmp:
         work = Path(keep) if keep else Path(tmp)
@@ -261,90 +258,20 @@ def run(compiler: Compiler, linalg: str, flags: list[str], *, keep: str | None =
         if keep:
             (work / "bishengir.log").write_text(output)
         status, problems, log = classify(rc, output, planned)
-        plan = None
+        read = dict.fromkeys(readings)
         if planned is not None:
-            try:
-                plan = read_plan(planned)
-            except PlanError as exc:
-                status, problems = "FAIL", problems + [f"cannot read the plan: {exc}"]
-        return BackendResult(status, problems, plan, round(seconds, 3), log)
+            for name, reader in readings.items():
+                try:
+                    read[name] = reader(planned)
+                except PlanError as exc:
+                    status, problems = "FAIL", problems + [f"cannot read the {name}: {exc}"]
+        return BackendResult(status, problems, read, round(seconds, 3), log)
 
 
 def _env_without_hivmc() -> dict:
     """The environment, unchanged: ``hivmc`` is looked up on PATH by the compiler. Where a CANN
     install puts one there, the run goes on to a binary, which the gate accepts too."""
     return dict(os.environ)
-
-
-# --------------------------------------------------------------------------------------------
-# Reading the planned module.
-
-
-class PlanError(ValueError):
-    pass
-
-
-SPACES = ("ub", "cbuf", "cc")  # Unified Buffer, L1, L0C
-# The module's capacity entries (bits) for each space, and the ones reported besides.
-CAPACITY_KEYS = {"ub": "UB_SIZE", "cbuf": "L1_SIZE", "cc": "L0C_SIZE"}
-_ELEMENT_BITS = {"i1": 1, "i8": 8, "i16": 16, "i32": 32, "i64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64}
-_CONST_I64_RE = re.compile(r"(%c[\w]*)\s*=\s*arith\.constant\s+(-?\d+)\s*:\s*i64\b")
-_POINTER_CAST_RE = re.compile(
-    r"hivm\.hir\.pointer_cast\(([^)]*)\)[^:\n]*:\s*memref<([^,>]*)(?:,[^#>\n]*)?,\s*#hivm\.address_space<(\w+)>>")
-_SPEC_RE = re.compile(r'#dlti\.dl_entry<"(\w+)",\s*(\d+)\s*:\s*i\d+>')
-_CORE_RE = re.compile(r"hivm\.module_core_type\s*=\s*#hivm\.module_core_type<(\w+)>")
-_TASK_RE = re.compile(r"func\.func\s+@\w+_infer_task_type_function\(\)[^\n]*\n\s*(%\S+)\s*=\s*arith\.constant\s+(\d+)")
-_SYNC_OPS = ("set_flag", "wait_flag", "pipe_barrier")
-
-
-def _bytes(shape: str) -> int:
-    *dims, elem = shape.split("x")
-    if elem not in _ELEMENT_BITS:
-        raise PlanError(f"unknown element type in memref<{shape}>")
-    n = 1
-    for d in dims:
-        if not d.isdigit():
-            raise PlanError(f"a buffer of dynamic size: memref<{shape}>")
-        n *= int(d)
-    return (n * _ELEMENT_BITS[elem] + 7) // 8
-
-
-def read_plan(text: str) -> dict:
-    """The memory plan and synchronisation of a planned module (``module.hivm.opt.mlir``).
-
-    Returns ``peak`` / ``buffers`` / ``capacity`` per space (bytes), ``core_type``, ``task_type``,
-    ``sync`` (counts of each sync op) and ``cores`` (the target's AI and vector core counts)."""
-    consts = {m.group(1): int(m.group(2)) for m in _CONST_I64_RE.finditer(text)}
-    peak = dict.fromkeys(SPACES, 0)
-    buffers = dict.fromkeys(SPACES, 0)
-    for m in _POINTER_CAST_RE.finditer(text):
-        space = m.group(3)
-        if space not in peak:
-            raise PlanError(f"a buffer in address space {space!r}")
-        size = _bytes(m.group(2))
-        for name in (o.strip() for o in m.group(1).split(",")):
-            if name not in consts:
-                raise PlanError(f"pointer_cast at a non-constant offset {name}")
-            peak[space] = max(peak[space], consts[name] + size)
-            buffers[space] += 1
-    spec = {m.group(1): int(m.group(2)) for m in _SPEC_RE.finditer(text)}
-    missing = [k for k in CAPACITY_KEYS.values() if k not in spec]
-    if missing:
-        raise PlanError(f"the module carries no {', '.join(missing)}")
-    core = _CORE_RE.search(text)
-    task = _TASK_RE.search(text)
-    return dict(
-        peak=peak, buffers=buffers,
-        capacity={s: spec[k] // 8 for s, k in CAPACITY_KEYS.items()},
-        core_type=core.group(1) if core else None,
-        task_type=int(task.group(2)) if task else None,
-        sync={op: len(re.findall(rf"\bhivm\.hir\.{op}\b", text)) for op in _SYNC_OPS},
-        cores=dict(aic=spec.get("AI_CORE_COUNT"), aiv=spec.get("VECTOR_CORE_COUNT")),
-    )
-
-
-def percent(plan: dict, space: str) -> float:
-    return 100.0 * plan["peak"][space] / plan["capacity"][space]
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,12 +287,15 @@ class Stage:
 
     ``options``: the kernel's NPU options (``AscendBackend.parse_options({})``); ``strip``:
     triton-ascend's own ``_parse_linalg_metadata`` (``linalg -> (linalg without mix_mode,
-    metadata)``); ``jobs``: compiler runs at once (default: the cores this process may use)."""
+    metadata)``); ``readings``: what to read of each planned module; ``jobs``: compiler runs at
+    once (default: the cores this process may use)."""
 
-    def __init__(self, compiler: Compiler, targets: tuple, options, strip, jobs: int | None = None):
+    def __init__(self, compiler: Compiler, targets: tuple, options, strip, readings: Readings,
+                 jobs: int | None = None):
         if not targets:
             raise ValueError("no bishengir-compile targets to gate")
         self.compiler, self.targets, self.options, self.strip = compiler, tuple(targets), options, strip
+        self.readings = dict(readings)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.jobs = max(1, jobs or cores)
 
@@ -379,6 +309,6 @@ class Stage:
 
     def compile(self, linalg: str, target: str, keep: str | None = None) -> dict:
         text, meta = self.strip(linalg)
-        res = run(self.compiler, text, self.flags(target), keep=keep)
-        return dict(target=target, status=res.status, problems=res.problems, plan=res.plan,
+        res = run(self.compiler, text, self.flags(target), self.readings, keep=keep)
+        return dict(target=target, status=res.status, problems=res.problems, **res.readings,
                     seconds=res.seconds, mix_mode=meta.get("mix_mode"), log=res.log[-2000:])
