@@ -41,7 +41,8 @@ def main(argv=None) -> int:
                          f"known: {', '.join(steps.CONFIGS)}, and with --quick {', '.join(steps.QUICK_CONFIGS)})")
     ap.add_argument("--layers", default=",".join(expert_parallel.LAYERS), help="comma-separated, of "
                     + ", ".join(expert_parallel.LAYERS))
-    ap.add_argument("--backends", default=None, help="comma-separated (default: ascend,cuda on CUDA, else ascend,torch)")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated (default: ascend,cuda on CUDA, else ascend,torch)")
     ap.add_argument("--precision", choices=tuple(expert_parallel.PRECISIONS), default=None,
                     help="default: bf16 on a device, fp32 on the CPU")
     ap.add_argument("--tokens", type=int, default=None, help=f"tokens per rank (default {steps.TOKENS}; "
@@ -70,8 +71,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown config, layer or backend: {bad}")
     if device_type == "cpu" and not a.quick:
         ap.error("on the CPU only --quick runs (Triton interpreter)")
-    s = eps.Settings(configs={n: table[n] for n in names}, tokens=a.tokens or (steps.QUICK_TOKENS if a.quick else steps.TOKENS),
-                     layers=layers, backends=backends,
+    s = eps.Settings(configs={n: table[n] for n in names},
+                     tokens=a.tokens or (steps.QUICK_TOKENS if a.quick else steps.TOKENS), layers=layers,
+                     backends=backends,
                      precision=a.precision or ("fp32" if device_type == "cpu" else "bf16"),
                      capacity_factor=a.capacity_factor, steps=a.steps or (2 if a.quick else 20),
                      warmup=a.warmup if a.warmup is not None else (1 if a.quick else 3),

@@ -11,7 +11,9 @@ Modules, top-down:
 ``steps``            the layer-step harness (``benchmarks/bench_steps.py``)
 ``routing_ops``      named shapes, one routing problem, minimal bytes, the implementations, the check
 ``launches``         the launch counter (what a step launches, counted on any device)
-``expert_parallel``  the expert-parallel check, one process per rank
+``expert_parallel_steps``  expert parallelism under ``torchrun``: parity, step, all-to-all and launch
+                     figures per rank (``benchmarks/bench_expert_parallel.py``)
+``expert_parallel``  the expert-parallel layer and the same layer in one process; the parity check
 ``precision``        the precision verdict in the Ascend form (also used by ``selftest``)
 ``timing``           device-generic timing: events, synchronisation, graph capture, the L2 flush
 ``report``, ``plot`` log, environment, JSON; the PNG plots

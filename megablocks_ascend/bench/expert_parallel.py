@@ -43,7 +43,8 @@ from megablocks_ascend.bench.steps import backend_env, decisive_router
 
 LAYERS = ("MoE", "dMoE-grouped", "dMoE-sparse")
 # precision -> (parameter and input dtype, autocast dtype or None)
-PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "amp-bf16": (torch.float32, torch.bfloat16)}
+PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+              "amp-bf16": (torch.float32, torch.bfloat16)}
 # Relative L2 error allowed against the full layer: float32 differs by summation order only; bf16
 # (parameters, or autocast's matmuls) by the rounding of kernels that tile differently at different
 # token counts, and ours by the order in which a token's top_k rows are summed: 6 units of bf16.

@@ -275,7 +275,8 @@ def line(r: dict) -> str:
         return lead + "refused: " + r["refused"][:120]
     p = r.get("parity", {})
     text = (lead + _f(p.get("worst"), ".1e", 8) + " " + _f(r.get("wall_ms"), ".3f", 8) + " "
-            + _f(r.get("host_ms"), ".3f", 8) + " " + _f(r.get("a2a_ms"), ".3f", 7) + " " + _f(r.get("comm_ms"), ".3f", 7)
+            + _f(r.get("host_ms"), ".3f", 8) + " " + _f(r.get("a2a_ms"), ".3f", 7) + " "
+            + _f(r.get("comm_ms"), ".3f", 7)
             + " " + _f(r.get("a2a_calls"), ".0f", 4) + " "
             + _f(None if r.get("a2a_bytes") is None else r["a2a_bytes"] / 2**20, ".2f", 7) + " "
             + _f(r.get("kernels"), ".0f", 7) + " " + _f(r.get("launches"), "d", 6) + " "
