@@ -21,7 +21,7 @@ Usage::
 
     python benchmarks/ab_routing.py --baseline /tmp/routing_base.py --patterns --k1 --out results/ --name ab
 
-Needs a CUDA GPU. Bytes and ceiling as in ``bench_routing.py`` (whose helpers it uses).
+Needs a CUDA GPU. Bytes and ceiling as in ``bench_routing.py`` (the harness in ``megablocks_ascend.bench``).
 """
 
 from __future__ import annotations
@@ -32,22 +32,22 @@ import json
 import sys
 from pathlib import Path
 
+import megablocks_ascend  # noqa: F401  (before megablocks and triton: the stand-ins, the interpreter on a CPU)
+import torch
+import triton
+import triton.language as tl
+
+from megablocks_ascend.bench import routing_ops, routing_table, timing
+from megablocks_ascend.bench.report import environment, logger
+from megablocks_ascend.kernels import routing
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import bench_routing as br  # noqa: E402  (imports megablocks_ascend first)
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from megablocks_ascend import devices  # noqa: E402
-from megablocks_ascend.kernels import routing  # noqa: E402
 
 ROUTE_MAP_BLOCKS = (32, 64, 128, 256, 512)
 # top_k = 1 at 64 experts (Switch-like): the one-launch kernels' expert walk at many experts.
 AB_EXTRA = {"k1-fine": dict(T=16384, H=2048, E=64, k=1, cf=1.25)}
 K1_SHAPES = {
-    "small": br.SHAPES["small"],
+    "small": routing_ops.SHAPES["small"],
     "k1-large": dict(T=32768, H=4096, E=16, k=1, cf=1.0),
     **AB_EXTRA,
 }
@@ -81,35 +81,35 @@ def uncached(mod, name):
 
 
 def graph_ms(fn, device):
-    ms = br.bench_graph(fn, device)
+    ms = timing.graph_ms(fn, device)
     return float("nan") if ms is None else ms
 
 
 # --- A/B against a baseline routing.py --------------------------------------------------------
 
 
-def ab(base, device, ceiling, log, shapes=br.SHAPES):
+def ab(base, device, ceiling, log, shapes=routing_ops.SHAPES):
     rows = []
     impls = {"base": base, "new": routing}
     for sname, s in shapes.items():
-        d = br.Data(**s, device=device)
+        d = routing_ops.Data(**s, device=device)
         log(f"[ab {sname}] T={d.T} H={d.H} E={d.E} k={d.k}")
-        for op in br.OPS:
-            nb = br.min_bytes(op, d)
-            want = br.expected(op, d)
-            up = br.implementation(op, "upstream")
-            t = {"upstream": graph_ms(lambda: br.call(op, up, d), device)} if op not in br.GRAPH_UNSAFE else {}
+        for op in routing_ops.OPS:
+            nb = routing_ops.min_bytes(op, d)
+            want = routing_ops.expected(op, d)
+            up = routing_ops.implementation(op, "upstream")
+            t = {"upstream": graph_ms(lambda: routing_ops.call(op, up, d), device)} if op not in routing_ops.GRAPH_UNSAFE else {}
             ok = {}
             for name, mod in impls.items():
                 fn = uncached(mod, op)
-                ok[name] = br.check(op, d, fn=fn, want=want)["ok"]
-                if op in br.GRAPH_UNSAFE:
-                    t[name] = br.bench(lambda: br.call(op, fn, d), device)  # do_bench (host sync inside)
+                ok[name] = routing_ops.check(op, d, fn=fn, want=want)["ok"]
+                if op in routing_ops.GRAPH_UNSAFE:
+                    t[name] = timing.do_bench(lambda: routing_ops.call(op, fn, d), device)  # do_bench (host sync inside)
                 else:
-                    t[name] = graph_ms(lambda: br.call(op, fn, d), device)
+                    t[name] = graph_ms(lambda: routing_ops.call(op, fn, d), device)
             row = dict(shape=sname, op=op, min_bytes=nb, ok=ok, ms=t,
                        frac_ceiling={k: nb / v / 1e6 / ceiling for k, v in t.items()},
-                       timer="do_bench" if op in br.GRAPH_UNSAFE else "graph")
+                       timer="do_bench" if op in routing_ops.GRAPH_UNSAFE else "graph")
             rows.append(row)
             log(f"  {op:22s} base {t['base']:.4f} ms {row['frac_ceiling']['base']:6.1%}  "
                 f"new {t['new']:.4f} ms {row['frac_ceiling']['new']:6.1%}  "
@@ -130,7 +130,7 @@ def ab(base, device, ceiling, log, shapes=br.SHAPES):
                 rows.append(dict(shape=sname, op=f"route_map[{layout}]", ms=t, timer="graph"))
                 log(f"  route_map layout={layout}  " + "  ".join(f"{k} {v:.4f} ms" for k, v in t.items()))
         del d
-        br.free(device)
+        timing.empty_cache(device)
     return rows
 
 
@@ -174,7 +174,7 @@ PROBE_VARIANTS = {
 
 def patterns(device, ceiling, log, shapes):
     out = {}
-    sms = br.num_sms(device)
+    sms = timing.num_sms(device)
     for sname, s in shapes.items():
         T, H, k = s["T"], s["H"], s["k"]
         x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
@@ -193,11 +193,11 @@ def patterns(device, ceiling, log, shapes):
         bins = torch.arange(1, s["E"] + 1, device=device, dtype=torch.int32) * per
         bins[-1] = T * k
         res["ours gather, identity routing"] = (
-            nbk, graph_ms(lambda: br._uncached(routing.gather)(x, idx, None, None, bins, k), device))
-        d = br.Data(**s, device=device, lazy=True)
+            nbk, graph_ms(lambda: routing_ops.uncached(routing.gather)(x, idx, None, None, bins, k), device))
+        d = routing_ops.Data(**s, device=device, lazy=True)
         d._cache["x"] = x
         res["ours gather, benchmark routing"] = (
-            nbk, graph_ms(lambda: br._uncached(routing.gather)(x, d.indices, d.bin_ids, None, d.bins, k), device))
+            nbk, graph_ms(lambda: routing_ops.uncached(routing.gather)(x, d.indices, d.bin_ids, None, d.bins, k), device))
         s2r = routing.route_map(d.indices, d.bins, None, layout=routing.DROPLESS)
         want = routing.gather(x, d.indices, d.bin_ids, None, d.bins, k)
         for name, (bm, bx, nw, pps, lp, sc, sp) in PROBE_VARIANTS.items():
@@ -218,7 +218,7 @@ def patterns(device, ceiling, log, shapes):
         out[sname] = {name: dict(bytes=nb, ms=ms, GBps=nb / ms / 1e6, frac_ceiling=nb / ms / 1e6 / ceiling)
                       for name, (nb, ms) in res.items()}
         del x, dst, one, d, want, s2r
-        br.free(device)
+        timing.empty_cache(device)
     return out
 
 
@@ -232,7 +232,7 @@ def host_and_repeats(device, log, shape="mixtral"):
     single do_bench runs back to back per implementation, with the caching allocator's device
     allocation count across them: is a do_bench figure far above device time the host, the
     allocator, or the first run?"""
-    d = br.Data(**{**br.SHAPES, **br.QUICK_SHAPES}[shape], device=device)
+    d = routing_ops.Data(**{**routing_ops.SHAPES, **routing_ops.QUICK_SHAPES}[shape], device=device)
     out = []
     iters = 200 if device.type == "cuda" else 2
 
@@ -240,19 +240,19 @@ def host_and_repeats(device, log, shape="mixtral"):
         return torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.type == "cuda" else 0
 
     for op in HOST_OPS:
-        impls = {"ours cached": getattr(routing, op), "ours cold": br._uncached(getattr(routing, op)),
-                 "upstream": br.implementation(op, "upstream")}
+        impls = {"ours cached": getattr(routing, op), "ours cold": routing_ops.uncached(getattr(routing, op)),
+                 "upstream": routing_ops.implementation(op, "upstream")}
         for name, fn in impls.items():
-            host = br.host_us(lambda: br.call(op, fn, d), device, iters=iters)
+            host = timing.host_us(lambda: routing_ops.call(op, fn, d), device, iters=iters)
             before = allocs()
-            runs = [br.bench(lambda: br.call(op, fn, d), device, repeats=1) for _ in range(3)]
+            runs = [timing.do_bench(lambda: routing_ops.call(op, fn, d), device, repeats=1) for _ in range(3)]
             row = dict(shape=shape, op=op, impl=name, host_us=host, do_bench_runs_ms=runs,
                        device_allocs_during=allocs() - before)
             out.append(row)
             log(f"  [host {shape}] {op:22s} {name:12s} host {host:6.1f} us  do_bench x3 "
                 + " ".join(f"{r:.4f}" for r in runs) + f" ms  cudaMalloc +{row['device_allocs_during']}")
     del d
-    br.free(device)
+    timing.empty_cache(device)
     return out
 
 
@@ -267,18 +267,18 @@ def main(argv=None):
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="ab_routing")
     args = ap.parse_args(argv)
-    device = br.setup()
+    device = routing_ops.setup()
     if device.type != "cuda" and not args.quick:
         ap.error("needs a CUDA GPU (or --quick)")
-    big = br.QUICK_SHAPES if args.quick else br.SHAPES
+    big = routing_ops.QUICK_SHAPES if args.quick else routing_ops.SHAPES
     k1_shapes = {"quick-k1": dict(T=24, H=48, E=4, k=1, cf=1.0)} if args.quick else K1_SHAPES
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log, lines = br.logger()
+    log, lines = logger()
 
-    report = {"environment": br.environment(device)}
+    report = {"environment": environment(device)}
     log(f"environment: {json.dumps(report['environment'])}")
-    ceil = br.copy_ceiling(device, quick=args.quick)
+    ceil = routing_table.copy_ceiling(device, quick=args.quick)
     report["copy_ceiling"] = ceil
     log(f"copy ceiling: {ceil['GBps']:.0f} GB/s")
 
@@ -299,9 +299,9 @@ def main(argv=None):
         report["host"] = host_and_repeats(device, log, shape="quick" if args.quick else "mixtral")
         save()
     if args.k1:
-        br.SHAPES.update(k1_shapes)
+        routing_ops.SHAPES.update(k1_shapes)
         configs = [(bm, 64, nw, pps) for bm, _, nw, pps in K1_CONFIGS[:3]] if args.quick else K1_CONFIGS
-        report["k1_sweep"] = br.sweep(device, ceil["GBps"], log, shapes=tuple(k1_shapes), configs=configs,
+        report["k1_sweep"] = routing_table.sweep(device, ceil["GBps"], log, shapes=tuple(k1_shapes), configs=configs,
                                       ops=K1_OPS)
         save()
     save()

@@ -53,17 +53,15 @@ import time
 import types
 from pathlib import Path
 
+import megablocks_ascend  # noqa: F401  (before megablocks and triton: stand-ins, interpreter on CPU)
+import numpy as np
+import torch
+import triton
+
+from megablocks_ascend import devices
+from megablocks_ascend.kernels import blocksparse
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton: stand-ins, interpreter on CPU)
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from megablocks_ascend import devices  # noqa: E402
-from megablocks_ascend.kernels import blocksparse  # noqa: E402
 
 BLOCK = 128
 SHAPES = {

@@ -42,17 +42,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+import megablocks_ascend  # noqa: F401  (before megablocks and triton)
+import torch
 
-import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
-import torch  # noqa: E402
+from megablocks_ascend import backends, ops, patching, validation
+from megablocks_ascend.bench import routing_ops, timing
+from megablocks_ascend.bench.report import environment, logger
+from megablocks_ascend.kernels import routing
 
-import bench_routing as br  # noqa: E402
-from megablocks_ascend import backends, ops, patching, validation  # noqa: E402
-from megablocks_ascend.kernels import routing  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # Small device work, so that a GPU keeps up with the host; smaller still with --stub, where the
 # torch ops around the kernels (upstream's scatter sums over top_k, for one) run on the CPU.
@@ -121,14 +119,14 @@ def per_call_us(fn, device, calls, repeats, clock):
     time this process spends, which a busy neighbour on a shared machine does not inflate), else
     ``time.perf_counter`` (wall time to enqueue the calls)."""
     fn()
-    br.sync(device)
+    timing.synchronize(device)
     runs = []
     for _ in range(repeats):
         t0 = clock()
         for _ in range(calls):
             fn()
         runs.append((clock() - t0) / calls * 1e6)
-        br.sync(device)
+        timing.synchronize(device)
     return min(runs)
 
 
@@ -154,7 +152,7 @@ def prepared(d):
     top = torch.empty_like(d.indices)
     top[d.indices.long()] = d.bin_ids
     with backends.use_backend("torch"):
-        indices, bin_ids, bins, _, padded_bins = ops.prepare_routing(top, d.E, br.PAD_BLOCK)
+        indices, bin_ids, bins, _, padded_bins = ops.prepare_routing(top, d.E, routing_ops.PAD_BLOCK)
     assert torch.equal(indices, d.indices) and torch.equal(bins, d.bins) and torch.equal(padded_bins, d.padded_bins)
     d.indices, d.bin_ids, d.bins, d.padded_bins = indices, bin_ids, bins, padded_bins
     return d
@@ -166,14 +164,14 @@ def measure(shapes, device, stub, calls, repeats, log):
     clock = time.process_time if stub else time.perf_counter
     rows = []
     for sname, s in shapes.items():
-        d = prepared(br.Data(**s, device=device))
+        d = prepared(routing_ops.Data(**s, device=device))
         timings = {}
         with backends.use_backend("ascend"):
             for op in OPS:
                 params, x_ndim, x_rows = backends.SPECS[op]
-                kw = dict(zip(params, br.call(op, lambda *a: a, d)))
-                fns = {"ours dispatch": lambda op=op: br.call(op, getattr(kernels, op), d),
-                       "ours launcher": lambda op=op: br.call(op, getattr(routing, op), d),
+                kw = dict(zip(params, routing_ops.call(op, lambda *a: a, d)))
+                fns = {"ours dispatch": lambda op=op: routing_ops.call(op, getattr(kernels, op), d),
+                       "ours launcher": lambda op=op: routing_ops.call(op, getattr(routing, op), d),
                        "ours check_routing": lambda op=op, kw=kw: validation.check_routing(
                            op, x=kw["x"], x_ndim=x_ndim, indices=kw["indices"], bins=kw["bins"],
                            top_k=kw["top_k"], bin_ids=kw.get("bin_ids"), weights=kw.get("weights"),
@@ -197,7 +195,7 @@ def measure(shapes, device, stub, calls, repeats, log):
             # on top of upstream's kernel functions.
             with backends.use_backend("cuda"):
                 for op in OPS:
-                    fns = {"cuda dispatch": lambda op=op: br.call(op, getattr(kernels, op), d)}
+                    fns = {"cuda dispatch": lambda op=op: routing_ops.call(op, getattr(kernels, op), d)}
                     if op in AUTOGRAD_OPS:
                         fns["cuda op"] = lambda op=op: op_call(op, getattr(mops, op), d)
                     for name, fn in fns.items():
@@ -207,7 +205,7 @@ def measure(shapes, device, stub, calls, repeats, log):
         up_ops, up_kernels, restore = upstream_ops()
         try:
             for op in OPS:
-                fns = {"upstream kernel": lambda op=op: br.call(op, up_kernels[op], d)}
+                fns = {"upstream kernel": lambda op=op: routing_ops.call(op, up_kernels[op], d)}
                 if op in AUTOGRAD_OPS:
                     fns["upstream op"] = lambda op=op: op_call(op, up_ops[op], d)
                 for name, fn in fns.items():
@@ -251,18 +249,18 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="few calls (CPU smoke test)")
     ap.add_argument("--stub", action="store_true", help="launches replaced by a no-op (default without a GPU)")
     ap.add_argument("--calls", type=int, default=None, help="calls per timed run")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="bench_dispatch")
     args = ap.parse_args(argv)
-    device = br.setup()
+    device = routing_ops.setup()
     # Without a GPU the launch can only be stubbed; on a GPU both: real launches (what a step
     # pays) and stubbed (the Python above Triton's launcher, comparable with a CPU run).
     modes = ["stub"] if args.stub or device.type == "cpu" else ["launch", "stub"]
     repeats = 3 if args.quick else 7
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log, lines = br.logger()
-    env = br.environment(device)
+    log, lines = logger()
+    env = environment(device)
     env.update(repeats=repeats, clock={"stub": "process_time", "launch": "perf_counter"})
     log(f"environment: {json.dumps(env)}")
     report = {"environment": env, "results": {}}

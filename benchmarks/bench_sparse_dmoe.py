@@ -44,18 +44,16 @@ import sys
 import time
 from pathlib import Path
 
+import megablocks_ascend  # noqa: F401  (before megablocks, stk and triton)
+import torch
+import triton
+from megablocks.layers.arguments import Arguments
+from megablocks.layers.dmoe import dMoE
+from megablocks.layers.moe import clear_load_balancing_loss
+
+from megablocks_ascend import BackendUnavailable, backends
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import megablocks_ascend  # noqa: E402,F401  (before megablocks, stk and triton)
-import torch  # noqa: E402
-import triton  # noqa: E402
-from megablocks.layers.arguments import Arguments  # noqa: E402
-from megablocks.layers.dmoe import dMoE  # noqa: E402
-from megablocks.layers.moe import clear_load_balancing_loss  # noqa: E402
-
-from megablocks_ascend import BackendUnavailable, backends  # noqa: E402
 
 SHAPES = {
     "mixtral": dict(T=8192, H=4096, ffn=14336, E=8, k=2),

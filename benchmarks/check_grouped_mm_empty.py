@@ -40,16 +40,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+import megablocks_ascend  # noqa: F401  (before triton: the interpreter on a CPU machine)
+import torch
 
-import megablocks_ascend  # noqa: E402,F401  (before triton: the interpreter on a CPU machine)
-import torch  # noqa: E402
+from megablocks_ascend.bench import routing_ops, timing
+from megablocks_ascend.bench.precision import rel_l2
+from megablocks_ascend.bench.report import environment, logger
+from megablocks_ascend.native import grouped_gemm as gg
 
-import bench_routing as br  # noqa: E402
-from megablocks_ascend.native import grouped_gemm as gg  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # (name, E, M, N, rows): the weight gradients [E, ffn, H] of bench_steps.py's configurations at
 # T = 8192 tokens (rows = T * top_k), and two small ones.
@@ -99,7 +98,7 @@ def inspect(out, ref, sizes):
                    empty_max_abs=float(torch.nan_to_num(blocks, nan=float("inf")).abs().max()))
         res["zero"] = res["empty_nonzero"] == 0
     if full:
-        res["rel_err"] = br.rel_err(out[full].float(), ref[full])
+        res["rel_err"] = rel_l2(out[full].float(), ref[full])
     return res
 
 
@@ -151,7 +150,7 @@ def graph_cases(a, b, patterns, device):
 def standin_case(a, b, sizes, device):
     """The stand-in's own call (device sizes), which zeroes empty groups where it must."""
     bs = torch.tensor(sizes, device=device)
-    out = br.poisoned(lambda: gg.backend.gmm(a, b, bs, trans_a=True), len(sizes) * a.shape[1] * b.shape[1],
+    out = routing_ops.poisoned(lambda: gg.backend.gmm(a, b, bs, trans_a=True), len(sizes) * a.shape[1] * b.shape[1],
                       a.dtype, device)
     return inspect(out, reference(a, b, sizes), sizes)
 
@@ -188,7 +187,7 @@ def run_checks(shapes, device, log):
         rows.append(dict(shape=name, groups=groups, M=m, N=n, rows=0, pattern="no_rows", mode="eager", **res))
         log(_line(rows[-1]))
         del a, b
-        br.free(device)
+        timing.empty_cache(device)
     return rows
 
 
@@ -227,11 +226,11 @@ def time_fill(device, log, quick):
             bs = torch.tensor(sizes, device=device)
             offs = bs.cumsum(0).to(torch.int32)
             res = dict(shape=name, groups=groups, M=m, N=n, rows=total, empty=n_empty)
-            res["raw_ms"] = br.bench(lambda: torch._grouped_mm(a.t(), b, offs=offs), device)
-            res["standin_ms"] = br.bench(lambda: gg.backend.gmm(a, b, bs, trans_a=True), device)
+            res["raw_ms"] = timing.do_bench(lambda: torch._grouped_mm(a.t(), b, offs=offs), device)
+            res["standin_ms"] = timing.do_bench(lambda: gg.backend.gmm(a, b, bs, trans_a=True), device)
             gg._legacy_full_fill = True
             try:
-                res["legacy_ms"] = br.bench(lambda: gg.backend.gmm(a, b, bs, trans_a=True), device)
+                res["legacy_ms"] = timing.do_bench(lambda: gg.backend.gmm(a, b, bs, trans_a=True), device)
             finally:
                 gg._legacy_full_fill = False
             rows.append(res)
@@ -239,14 +238,14 @@ def time_fill(device, log, quick):
                 f" (+{res['standin_ms'] - res['raw_ms']:.4f}) | with the full masked fill {res['legacy_ms']:.4f} ms"
                 f" (+{res['legacy_ms'] - res['raw_ms']:.4f})")
         del a, b
-        br.free(device)
+        timing.empty_cache(device)
     return rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
     ap.add_argument("--name", default="check_grouped_mm_empty")
     ap.add_argument("--no-time", action="store_true", help="skip the timing section")
     args = ap.parse_args(argv)
@@ -255,8 +254,8 @@ def main(argv=None):
         ap.error("without a GPU only --quick runs")
     if not hasattr(torch, "_grouped_mm"):
         ap.error(f"torch {torch.__version__} has no torch._grouped_mm")
-    log, lines = br.logger()
-    env = br.environment(device)
+    log, lines = logger()
+    env = environment(device)
     if device.type == "cuda":
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         env["fast_kernel"] = gg._cuda_fast_grouped_mm(device.index or 0)

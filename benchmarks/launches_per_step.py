@@ -1,7 +1,7 @@
 """What one training step of MegaBlocks' MoE / grouped dMoE / sparse dMoE launches, line by line.
 
-For each layer and routing backend, one training step (``tests/launch_counts.py``'s
-``layer_step``: forward, load-balancing loss, backward) is counted by ``LaunchCounter``: every aten
+For each layer and routing backend, one training step (``megablocks_ascend.bench.launches.layer_step``:
+forward, load-balancing loss, backward) is counted by ``LaunchCounter``: every aten
 op that launches a device kernel and every Triton launch, each with the source line that caused
 it (MegaBlocks, stk, megablocks_ascend, torch autograd's backward of a forward line, the step).
 On CUDA the step's real kernels (and memcpy/memset) are also counted with ``torch.profiler``, by
@@ -30,16 +30,11 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks", REPO / "tests"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+import megablocks_ascend  # noqa: F401  (before megablocks and triton)
+import torch
 
-import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
-import torch  # noqa: E402
-
-import bench_routing as br  # noqa: E402
-from launch_counts import LAYERS, count_step, layer_step  # noqa: E402
+from megablocks_ascend.bench import report, routing_ops
+from megablocks_ascend.bench.launches import LAYERS, count_step, layer_step
 
 BACKENDS = ("ascend", "upstream", "torch")
 
@@ -49,8 +44,8 @@ def origin(where: str) -> str:
     (torch's backward of a forward line), ``step`` (the training step itself) or ``other``."""
     if where.startswith("autograd "):
         return "autograd"
-    for prefix, name in (("megablocks_ascend/", "ours"), ("megablocks/", "MegaBlocks"), ("stk/", "stk"),
-                         ("tests/launch_counts.py", "step")):
+    for prefix, name in (("megablocks_ascend/bench/launches.py", "step"), ("tests/launch_counts.py", "step"),
+                         ("megablocks_ascend/", "ours"), ("megablocks/", "MegaBlocks"), ("stk/", "stk")):
         if where.startswith(prefix):
             return name
     return "other"
@@ -134,7 +129,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="directory for NAME.json and NAME.md (default: print only)")
     ap.add_argument("--name", default="launches_per_step")
     args = ap.parse_args(argv)
-    device = br.setup()
+    device = routing_ops.setup()
     layers = args.layers.split(",")
     backends = args.backends.split(",")
     for value, known in ((layers, LAYERS), (backends, BACKENDS)):
@@ -157,7 +152,7 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        env = br.environment(device)
+        env = report.environment(device)
         env.update(experts=args.experts, top_k=args.top_k, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
                    precision="amp-bf16" if args.amp else ("bf16" if device.type == "cuda" else "float32"))
         (out / f"{args.name}.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))

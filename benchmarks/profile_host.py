@@ -22,12 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import megablocks_ascend  # noqa: F401  (before megablocks and triton)
+import torch
 
-import megablocks_ascend  # noqa: E402,F401  (before megablocks and triton)
-import torch  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = {  # as in bench_steps.py
     "ds64": dict(hidden=2048, ffn=1408, experts=64, top_k=6),

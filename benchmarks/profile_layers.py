@@ -13,18 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import megablocks_ascend  # noqa: F401
+import torch
 
-import megablocks_ascend  # noqa: E402,F401
-import torch  # noqa: E402
-
-from megablocks_ascend import backends  # noqa: E402
-from megablocks_ascend.kernels import routing  # noqa: E402
+from megablocks_ascend import backends
+from megablocks_ascend.kernels import routing
 
 
 def main():

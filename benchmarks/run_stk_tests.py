@@ -46,15 +46,11 @@ import unittest
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import megablocks_ascend  # noqa: F401  (before stk and triton: patches, interpreter on CPU)
+import stk.backend.triton_kernels as stk_kernels
+import torch
 
-import megablocks_ascend  # noqa: E402,F401  (before stk and triton: patches, interpreter on CPU)
-import stk.backend.triton_kernels as stk_kernels  # noqa: E402
-import torch  # noqa: E402
-
-from megablocks_ascend import backends  # noqa: E402
+from megablocks_ascend import backends
 
 NAMES = ("sdd", "dsd", "dds", "row_indices")
 LIMIT = 1 << 15

@@ -16,13 +16,34 @@ language (no download). Install LLM Foundry as README.md, "Using with LLM Foundr
 With ``--expert-parallel N`` it starts N processes; LLM Foundry's own ``config_moe_args`` builds
 the expert-parallel mesh (patch ``llmfoundry-device-mesh``) and shards the expert weights as
 DTensors; the other gradients are averaged across the processes, as data parallelism would.
+
+``--fsdp`` trains with Composer's ``Trainer``, as LLM Foundry's ``train.py`` does, under
+``torchrun`` (one process per GPU): with N > 1 processes the experts are split over all of them
+(``moe_world_size`` N) and the model is wrapped by Composer's FSDP with LLM Foundry's own wrap
+function (each MPT block, and the experts on the mesh LLM Foundry gives them); its losses, averaged
+over the ranks, are written to ``--out``. Run once more on one process with ``--data-ranks N``
+(the N ranks' batches as one) and ``--compare`` the first run's file: the same initial weights,
+the same data, so the same losses (SGD and a load-balancing loss weight of 1e-6 make that exact up
+to rounding: the load-balancing loss of a rank's tokens is not that of all tokens, and Adam's first
+step turns a rounding difference of a near-zero gradient into a step of ``lr``; a weight of 0
+makes MegaBlocks return the float ``0.0`` as the loss, which Composer 0.32.1's Trainer cannot
+``detach()``):
+
+    torchrun --standalone --nproc-per-node 2 examples/train_llmfoundry_mpt.py --fsdp --out DIR
+    python examples/train_llmfoundry_mpt.py --fsdp --data-ranks 2 --out DIR --compare DIR/llmfoundry-fsdp-ep2.json
+
+(``--fsdp`` sets ``--optimizer sgd --lr 0.5 --moe-loss-weight 1e-6`` unless given.) On a CPU, Composer
+0.32.1's FSDP asks for a CUDA device (``torch.cuda.current_device()``): the run stops there and
+says so; docs/notes/expert-parallel-and-checks.md has what was run where.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import pathlib
 import time
 
 import torch
@@ -44,7 +65,7 @@ def build_model(a, moe_world_size: int = 1) -> ComposerMPTCausalLM:
         "moe_num_experts": a.experts,
         "moe_top_k": a.top_k,
         "moe_world_size": moe_world_size,
-        "moe_loss_weight": 0.01,
+        "moe_loss_weight": a.moe_loss_weight,
         "moe_capacity_factor": 1,
         "mlp_type": a.mlp_type,
         "mlp_impl": a.mlp_impl,
@@ -56,6 +77,19 @@ def build_model(a, moe_world_size: int = 1) -> ComposerMPTCausalLM:
         vocab_size=a.vocab, attn_config={"attn_impl": "torch"}, ffn_config=ffn_config,
         init_device="cpu", loss_fn="torch_crossentropy", use_train_metrics=False,
     )
+
+
+def copy_weights(single, ep, rank: int, world: int) -> None:
+    """The expert-parallel model ``ep`` gets ``single``'s weights: each expert weight (a DTensor
+    sharded over the expert-parallel mesh) its rank's rows, every other weight whole."""
+    from torch.distributed._tensor import DTensor  # noqa: PLC0415
+    full = dict(single.named_parameters())
+    with torch.no_grad():
+        for name, p in ep.named_parameters():
+            if isinstance(p, DTensor):
+                p.to_local().copy_(full[name].chunk(world, dim=0)[rank])
+            else:
+                p.copy_(full[name])
 
 
 def bigram_batches(a, rank: int = 0):
@@ -72,6 +106,11 @@ def bigram_batches(a, rank: int = 0):
         for i in range(1, a.seq):
             tokens[:, i] = torch.multinomial(table[tokens[:, i - 1]], 1, generator=gen).squeeze(1)
         yield {"input_ids": tokens, "labels": tokens}
+
+
+def make_optimizer(a, model):
+    cls = torch.optim.SGD if a.optimizer == "sgd" else torch.optim.AdamW
+    return cls(model.parameters(), lr=a.lr)
 
 
 def train_step(model, batch, opt, world_size: int = 1):
@@ -96,7 +135,7 @@ def run(a, rank: int = 0, world_size: int = 1) -> float:
 
     torch.manual_seed(a.seed)
     model = build_model(a, moe_world_size=world_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    opt = make_optimizer(a, model)
     batches = bigram_batches(a, rank)
     say = print if rank == 0 else (lambda *args, **kwargs: None)
     say(f"LLM Foundry MPT, ffn_type={a.ffn_type} ({a.mlp_type}, {a.mlp_impl}), {a.experts} experts, "
@@ -131,6 +170,107 @@ def _expert_parallel_worker(rank: int, world_size: int, a, port: int) -> None:
         torch.distributed.destroy_process_group()
 
 
+# What stops LLM Foundry's expert parallelism under FSDP on a CPU (LLM Foundry 0.22.0, Composer 0.32.1,
+# torch 2.13; docs/notes/expert-parallel-and-checks.md).
+CPU_FSDP = ("Composer's FSDP (version 1) passes device_id=torch.cuda.current_device(), and torch's FSDP1 refuses "
+            "a CPU ('FSDP needs a non-CPU accelerator device'); with FSDP_VERSION=2, Composer calls fully_shard() "
+            "with the experts' FSDP1 keyword device_mesh that LLM Foundry sets (TypeError). Run it on GPUs.")
+
+
+def fsdp_run(a) -> int:
+    """``--fsdp``: Composer's Trainer, LLM Foundry's model and FSDP wrapping, N processes of
+    ``torchrun`` (experts over all of them) or one (no FSDP, ``--data-ranks`` ranks' batches)."""
+    import megablocks_ascend  # noqa: PLC0415
+    from composer import Trainer  # noqa: PLC0415
+    from composer.core import Callback  # noqa: PLC0415
+    from composer.utils import dist as cdist  # noqa: PLC0415
+    from torch.distributed._tensor import DTensor  # noqa: PLC0415
+
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    cdist.initialize_dist(device, timeout=300)
+    world, rank = cdist.get_world_size(), cdist.get_global_rank()
+    data_ranks = world if world > 1 else a.data_ranks
+    if world > 1 and a.data_ranks not in (1, world):
+        raise SystemExit(f"--data-ranks {a.data_ranks} with {world} processes: each process takes its own batches")
+    say = print if rank == 0 else (lambda *args, **kwargs: None)
+    torch.manual_seed(a.seed)
+    model = build_model(a)  # the single-process model: the same initial weights in every run
+    if world > 1:
+        ep = build_model(a, moe_world_size=world)  # LLM Foundry's config_moe_args builds the mesh
+        copy_weights(model, ep, rank, world)
+        model = ep
+    mesh_types = sorted({p.device_mesh.device_type for p in model.parameters() if isinstance(p, DTensor)})
+    # One list of sequences; each step takes the next data_ranks * batch of them: all of them on one
+    # process, every world-th on each rank (Composer's DistributedSampler), the same set either way.
+    gen = bigram_batches(a)
+    rows = torch.cat([next(gen)["input_ids"] for _ in range(a.steps * data_ranks)])
+    dataset = [{"input_ids": t, "labels": t} for t in rows]
+    if world > 1:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=a.batch,
+                                             sampler=cdist.get_sampler(dataset, shuffle=False))
+    else:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=a.batch * data_ranks)
+    opt = make_optimizer(a, model)
+
+    class Losses(Callback):
+        """Each step's losses, averaged over the ranks (each rank's is the mean over its tokens)."""
+
+        def __init__(self):
+            self.steps = []
+
+        def after_train_batch(self, state, logger):
+            loss = state.loss if isinstance(state.loss, dict) else {"total": state.loss, "loss": state.loss}
+            t = torch.stack([loss["total"].detach().float(), loss["loss"].detach().float()])
+            if world > 1:
+                torch.distributed.all_reduce(t)
+                t /= world
+            self.steps.append([float(v) for v in t.cpu()])
+
+    losses = Losses()
+    fsdp = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "FULL", "use_orig_params": True}
+    say(f"LLM Foundry MPT, {a.ffn_type}, {a.experts} experts, top_k={a.top_k}, {world} process(es) "
+        f"({'Composer FSDP, experts over all of them' if world > 1 else 'no FSDP'}), batches of {data_ranks} "
+        f"rank(s) of {a.batch}, {a.optimizer} lr {a.lr}, moe_loss_weight {a.moe_loss_weight}, device {device}, "
+        f"MEGABLOCKS_BACKEND={megablocks_ascend.requested()}, expert mesh on {mesh_types or '-'}")
+    if world > 1 and device == "cpu":
+        say(f"{world} processes on the CPU: LLM Foundry built the expert-parallel model (expert mesh on "
+            f"{mesh_types}, every rank's batches drawn); stopping before Composer's FSDP, which cannot run here: "
+            + CPU_FSDP)
+        return 2
+    trainer = Trainer(model=model, train_dataloader=loader,
+                      max_duration=f"{a.steps}ba", optimizers=opt, device=device, precision="fp32",
+                      parallelism_config={"fsdp": fsdp} if world > 1 else None, callbacks=[losses],
+                      device_train_microbatch_size=a.batch * data_ranks if world == 1 else a.batch,
+                      progress_bar=False, log_to_console=False, seed=a.seed)
+    with megablocks_ascend.trace() as calls:
+        trainer.fit()
+    served = sorted({c.backend for c in calls})
+    for i, (total, lm) in enumerate(losses.steps, 1):
+        say(f"step {i:4d}  lm loss {lm:.6f}  total {total:.6f}")
+    result = dict(world=world, data_ranks=data_ranks, device=device, fsdp=world > 1, expert_mesh=mesh_types,
+                  served=served, ops=sorted({c.op for c in calls}), losses=losses.steps, settings=vars(a),
+                  versions={m: __import__(m).__version__ for m in ("torch", "composer", "llmfoundry")})
+    status = 0
+    if megablocks_ascend.requested() == "ascend" and served != ["ascend"]:
+        say(f"expected every routing op to be served by our kernels, got {served}")
+        status = 1
+    if a.compare:
+        other = json.loads(pathlib.Path(a.compare).read_text())
+        worst = max(abs(x[1] - y[1]) / abs(y[1]) for x, y in zip(losses.steps, other["losses"]))
+        same = len(other["losses"]) == len(losses.steps) and worst <= a.tol
+        result["compared_with"] = dict(file=a.compare, world=other["world"], worst_rel_diff=worst, ok=same)
+        say(f"lm loss against {a.compare} ({other['world']} process(es)): largest relative difference "
+            f"{worst:.2e} -> {'same' if same else 'DIFFERENT'} (tolerance {a.tol:.0e})")
+        status = status or (0 if same else 1)
+    if rank == 0 and a.out:
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"llmfoundry-fsdp-ep{world}.json" if world > 1 else f"llmfoundry-single-x{data_ranks}.json"
+        (out / name).write_text(json.dumps(result, indent=1))
+        say(f"wrote {out / name}")
+    return status
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ffn-type", choices=("mb_dmoe", "mb_moe"), default="mb_dmoe")
@@ -147,15 +287,31 @@ def parse(argv=None):
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None, help="default 3e-3 (--fsdp: 0.5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="train on N processes (gloo) with the experts split between them")
-    return p.parse_args(argv)
+    p.add_argument("--moe-loss-weight", type=float, default=None, help="default 0.01 (--fsdp: 1e-6)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, help="default adamw (--fsdp: sgd)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="Composer's Trainer and FSDP under torchrun, experts over every process (see above)")
+    p.add_argument("--data-ranks", type=int, default=1, metavar="N",
+                   help="--fsdp on one process: train on N ranks' batches at once")
+    p.add_argument("--compare", default=None, metavar="JSON", help="--fsdp: compare the losses with another run's")
+    p.add_argument("--tol", type=float, default=1e-4, help="--compare: relative difference allowed")
+    p.add_argument("--out", default=None, help="--fsdp: directory of the losses' JSON")
+    a = p.parse_args(argv)
+    fsdp_defaults = {"moe_loss_weight": 1e-6, "optimizer": "sgd", "lr": 0.5} if a.fsdp else {}
+    for key, default in {"moe_loss_weight": 0.01, "optimizer": "adamw", "lr": 3e-3, **fsdp_defaults}.items():
+        if getattr(a, key) is None:
+            setattr(a, key, default)
+    return a
 
 
 def main() -> None:
     a = parse()
+    if a.fsdp:
+        raise SystemExit(fsdp_run(a))
     if a.expert_parallel > 1:
         import socket  # noqa: PLC0415
         with socket.socket() as s:

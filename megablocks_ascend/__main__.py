@@ -39,6 +39,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "megablocks_ascend.cli.selftest",
         "compare every routing kernel with the torch backend on this machine's device (run this "
         "first on an NPU)"),
+    "bench": _module_command(
+        "megablocks_ascend.cli.bench",
+        "time our routing kernels and MoE/dMoE steps against every alternative this device has (the torch "
+        "backend; upstream's kernels on CUDA; torch_npu's fused MoE ops on an NPU), with the precision verdict "
+        "(run it after selftest)"),
     "lower": _module_command(
         "megablocks_ascend.cli.lowering.command",
         "lower every routing kernel with triton-ascend's front end (needs the lowering venv: "

@@ -73,13 +73,7 @@ def _ep_worker(rank: int, world: int, port: int, out: str) -> None:
     single = example.build_model(a, moe_world_size=1)
     ep = example.build_model(a, moe_world_size=world)  # LLM Foundry's config_moe_args builds the mesh
     mesh_types = sorted({p.device_mesh.device_type for p in ep.parameters() if isinstance(p, DTensor)})
-    with torch.no_grad():  # the same weights: each rank's expert shard is its rows of the full ones
-        full = dict(single.named_parameters())
-        for name, p in ep.named_parameters():
-            if isinstance(p, DTensor):
-                p.to_local().copy_(_shard(full[name], rank, world))
-            else:
-                p.copy_(full[name])
+    example.copy_weights(single, ep, rank, world)  # each rank's expert shard: its rows of the full ones
     batches = [next(example.bigram_batches(a, rank=r)) for r in range(world)]
 
     with megablocks_ascend.use_backend("ascend"), megablocks_ascend.trace() as calls:

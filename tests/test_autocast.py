@@ -716,20 +716,6 @@ def test_training_steps_under_autocast(device, path, amp):
             assert p.dtype == torch.float32 and torch.isfinite(p).all(), (backend, name)
 
 
-def test_expert_parallel_under_autocast(device):
-    """Expert parallelism (2 gloo ranks, bf16 tokens in the all-to-alls, MegaBlocks' ScaleGradient
-    on the expert weights) under autocast against one process under autocast: within 6u, float32
-    gradients."""
-    import torch.multiprocessing as mp
-
-    if device.type != "cpu":
-        pytest.skip("CPU ranks over gloo only; on GPUs, benchmarks/expert_parallel_check.py runs them")
-
-    from test_expert_parallel import WORLD, _rendezvous, _worker
-    mp.spawn(_worker, args=(_rendezvous(), "dmoe", "ascend", "cpu", "gloo", torch.bfloat16), nprocs=WORLD,
-             join=True)
-
-
 @pytest.mark.parametrize("path", ["moe", "dmoe-mlp", "dmoe-glu"])
 def test_layer_under_autocast_compiles_as_one_graph(device, path):
     """``torch.compile(fullgraph=True)`` of the layer, forward under autocast and backward, matches

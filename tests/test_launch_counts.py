@@ -1,11 +1,12 @@
 """How many kernels one training step launches: a device-independent regression test.
 
 For MegaBlocks' unchanged ``MoE``, grouped ``dMoE`` and sparse ``dMoE``, one training step
-(:func:`launch_counts.layer_step`: forward, load-balancing loss, backward) is run on CPU tensors
-with ``MEGABLOCKS_BACKEND=ascend`` and counted by :class:`launch_counts.LaunchCounter`: every aten
-op that would launch a device kernel (views, allocations and the Triton interpreter's own copies
-excluded) plus every Triton kernel launch. On an NPU each of those is at least one launch (an
-aclnn op through torch_npu, or a triton-ascend kernel), so a step that grows here grows there.
+(:func:`megablocks_ascend.bench.launches.layer_step`: forward, load-balancing loss, backward) is
+run on CPU tensors with ``MEGABLOCKS_BACKEND=ascend`` and counted by
+:class:`~megablocks_ascend.bench.launches.LaunchCounter`: every aten op that would launch a
+device kernel (views, allocations and the Triton interpreter's own copies excluded) plus every
+Triton kernel launch. On an NPU each of those is at least one launch (an aclnn op through
+torch_npu, or a triton-ascend kernel), so a step that grows here grows there.
 The per-line accounting of what a step launches, ours against upstream's, is in
 ``docs/notes/launches-per-step.md``; ``benchmarks/launches_per_step.py`` prints it.
 
@@ -20,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from launch_counts import LaunchCounter, count_step, layer_step, upstream_kernels
+from megablocks_ascend.bench.launches import LaunchCounter, count_step, layer_step, upstream_kernels
 from megablocks_ascend.native import grouped_gemm
 
 # The grouped GEMM stand-in runs torch._grouped_mm on CPU tensors from torch 2.9 (one op per GEMM,

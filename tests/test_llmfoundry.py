@@ -50,3 +50,32 @@ def test_expert_parallelism_through_llmfoundrys_helpers_matches_one_process():
         assert report["served"] == ["ascend"]
         assert abs(report["loss_ep"] - report["loss_single"]) <= 1e-5 * abs(report["loss_single"]), report
         assert max(report["grad_diffs"].values()) < 1e-5, report
+
+
+def _example(*args, ranks=1):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MEGABLOCKS_BACKEND", "RANK",
+                                                            "WORLD_SIZE", "LOCAL_RANK")}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks > 1 else [sys.executable]
+    return subprocess.run([*launcher, str(ROOT / "examples" / "train_llmfoundry_mpt.py"), "--fsdp", "--steps", "3",
+                           "--d-model", "32", "--layers", "1", "--seq", "8", "--batch", "2", "--vocab", "32", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+
+
+@pytest.mark.slow
+def test_fsdp_mode_trains_on_one_process_and_stops_before_fsdp_on_cpu_ranks(tmp_path):
+    """``--fsdp`` (Composer's Trainer): one process trains on 2 ranks' batches through our kernels, and
+    another run's losses (other data) compare as different; 2 gloo processes build LLM Foundry's
+    expert-parallel model and stop, saying why, before Composer's FSDP, which needs a GPU. Three
+    launches of LLM Foundry, about 40 s each on a 2-core machine: marked slow."""
+    r = _example("--data-ranks", "2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    first = json.loads((tmp_path / "llmfoundry-single-x2.json").read_text())
+    assert first["world"] == 1 and first["data_ranks"] == 2 and not first["fsdp"] and first["served"] == ["ascend"]
+    assert len(first["losses"]) == 3 and all(total >= lm > 0 for total, lm in first["losses"])
+    other = _example("--data-ranks", "1", "--compare", str(tmp_path / "llmfoundry-single-x2.json"))
+    assert other.returncode == 1 and "-> DIFFERENT" in other.stdout, other.stdout[-3000:]  # other data
+    cpu = _example(ranks=2)
+    assert cpu.returncode != 0 and "stopping before Composer's FSDP" in cpu.stdout, \
+        cpu.stdout[-3000:] + cpu.stderr[-3000:]
+    assert "expert mesh on ['cpu']" in cpu.stdout and "FSDP needs a non-CPU accelerator device" in cpu.stdout

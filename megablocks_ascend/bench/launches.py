@@ -9,7 +9,10 @@
   ``benchmarks/bench_steps.py``'s ``kernels`` column, ``benchmarks/launches_per_step.py``);
 * every **Triton kernel launch**: the Triton launcher is hooked (``JITFunction.run`` compiled,
   ``GridExecutor.__call__`` in the interpreter; an autotuned or heuristics-wrapped kernel ends
-  there too, so every Triton kernel is counted once per launch, ours, MegaBlocks' and stk's alike).
+  there too, so every Triton kernel is counted once per launch, ours, MegaBlocks' and stk's alike);
+* every **collective** of ``torch.distributed`` (the ``c10d`` ops an expert-parallel layer's
+  ``all_to_all_single`` reaches the dispatcher as), one launch each (NCCL runs one kernel per
+  collective).
 
 The Triton interpreter runs a kernel on CPU tensors by copying each argument into NumPy and the
 results back (``Tensor.cpu``, ``copy_``...): device work that a compiled launch does not do. While
@@ -19,7 +22,7 @@ kernel costs one launch in the interpreter as it does on a device.
 Where the tensors are on an accelerator (``device="cuda"``/``"npu"``), an op counts only when one
 of its tensors is on that device (an op on host tensors launches nothing there); on the CPU, the
 stand-in for a device, every op counts (``Tensor.cpu()`` of a CPU tensor does not reach the
-dispatcher, so a device-to-host copy is not seen there: :mod:`host_syncs` finds those).
+dispatcher, so a device-to-host copy is not seen there: ``tests/host_syncs.py`` finds those).
 
 With ``where=True`` each launch also records the source line that caused it: the innermost frame
 outside torch and this module (MegaBlocks, stk, megablocks_ascend, the caller), and for the
@@ -32,8 +35,8 @@ forward that created it (recorded by anomaly mode with its NaN checks off, which
 
 A ``torch.library`` custom op reaches the dispatch mode as one opaque op (and runs its Python
 implementation with the mode off); the counter runs that implementation itself under the mode (as
-``host_syncs`` does), and fails on a custom op whose implementation it cannot find rather than
-hide its launches.
+``tests/host_syncs.py`` does), and fails on a custom op whose implementation it cannot find rather
+than hide its launches.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ NO_KERNEL = frozenset({
 })
 
 _BUILTIN_NAMESPACES = ("aten", "prim", "prims")
+_COLLECTIVE_NAMESPACE = "c10d"  # torch.distributed's collectives (c10d.alltoall_base_, ...)
 _is_view_cache: dict = {}
 
 
@@ -76,8 +80,8 @@ def launches_kernel(func) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    kind: str  # "aten" or "triton"
-    name: str  # "aten.mm.default", "triton:_gather_tokens"
+    kind: str  # "aten", "triton" or "collective"
+    name: str  # "aten.mm.default", "triton:_gather_tokens", "c10d.alltoall_base_.default"
     where: str = ""  # with where=True: the source line that caused it ("megablocks/layers/moe.py:170 in ...")
 
     def __str__(self):
@@ -96,7 +100,7 @@ except ImportError:
     _TRITON_DIR = _TORCH_DIR
 _LAUNCH_WRAPPER = os.path.join("megablocks_ascend", "compat.py")  # compat.Kernel: launches triton.jit
 _SITE = "site-packages" + os.sep
-_REPO = os.path.dirname(os.path.dirname(_HERE)) + os.sep
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(_HERE))) + os.sep
 
 
 def _short(path: str) -> str:
@@ -258,6 +262,10 @@ class LaunchCounter:
         class _Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
+                if func.namespace == _COLLECTIVE_NAMESPACE:
+                    out = func(*args, **kwargs)
+                    outer._add("collective", str(func))
+                    return out
                 if func.namespace not in _BUILTIN_NAMESPACES:
                     return outer._custom(func, args, kwargs)
                 out = func(*args, **kwargs)
@@ -314,6 +322,10 @@ class LaunchCounter:
     def triton(self) -> int:
         return sum(e.kind == "triton" for e in self.events)
 
+    @property
+    def collectives(self) -> int:
+        return sum(e.kind == "collective" for e in self.events)
+
     def by_name(self) -> collections.Counter:
         return collections.Counter(e.name for e in self.events)
 
@@ -323,7 +335,8 @@ class LaunchCounter:
     def report(self) -> str:
         """One line per op (count, name), and with ``where`` one line per (source line, op), in
         the order they first launched."""
-        lines = [f"{self.total} launches: {self.aten} aten ops, {self.triton} Triton kernels"]
+        lines = [f"{self.total} launches: {self.aten} aten ops, {self.triton} Triton kernels"
+                 + (f", {self.collectives} collectives" if self.collectives else "")]
         if self.where:
             counts = self.by_where()
             for (where, name), n in counts.items():
@@ -387,7 +400,7 @@ def layer_step(layer: str, *, experts: int = 16, top_k: int = 4, tokens: int = 6
     and stk's own kernels: the ``cuda`` backend on CUDA tensors, :func:`upstream_kernels` on CPU
     tensors), or ``None`` (whatever ``MEGABLOCKS_BACKEND`` says).
 
-    The layer is built as ``bench_steps.py`` builds it (``return_bias=False``: the output bias is
+    The layer is built as :mod:`~megablocks_ascend.bench.steps` builds it (``return_bias=False``: the output bias is
     added inside the layer; capacity factor 1; the default load-balancing loss weight, 0.1), on
     ``tokens`` tokens (sequence ``tokens``, batch 1). A step is what a training loop does per
     layer: gradients set to ``None``, the forward, the load-balancing loss

@@ -1,0 +1,22 @@
+"""The benchmark harness: ``python -m megablocks_ascend bench`` and the scripts in ``benchmarks/``.
+
+Modules, top-down:
+
+``suite``            the ``bench`` command: routing ops, the routing preparation, torch_npu's fused
+                     MoE ops (on an NPU) and layer steps, ours against every alternative the device
+                     has, with the precision verdict; tables, JSON, PNG
+``fused_npu``        torch_npu's ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` /
+                     ``npu_moe_init_routing_v2`` mapped onto MegaBlocks' routing, as documented
+``routing_table``    the routing benchmark's sections (``benchmarks/bench_routing.py``)
+``steps``            the layer-step harness (``benchmarks/bench_steps.py``)
+``routing_ops``      named shapes, one routing problem, minimal bytes, the implementations, the check
+``launches``         the launch counter (what a step launches, counted on any device)
+``expert_parallel_steps``  expert parallelism under ``torchrun``: parity, step, all-to-all and launch
+                     figures per rank (``benchmarks/bench_expert_parallel.py``)
+``expert_parallel``  the expert-parallel layer and the same layer in one process; the parity check
+``precision``        the precision verdict in the Ascend form (also used by ``selftest``)
+``timing``           device-generic timing: events, synchronisation, graph capture, the L2 flush
+``report``, ``plot`` log, environment, JSON; the PNG plots
+
+Nothing in the runtime package imports from here.
+"""

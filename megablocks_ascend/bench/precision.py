@@ -1,0 +1,158 @@
+"""The precision verdict in the form Ascend engineers use, for ``bench`` and ``selftest``.
+
+For each output and gradient of a computation three results are compared:
+
+* the **device** result: the computation as run on the device, in the device dtype;
+* the **golden**: the same computation on the CPU in float32 from the same input values, and in
+  float64 for a float32 computation (a float32 golden would be the computation itself, and a
+  reduction's relative error near a zero result would be judged against nothing but the floor);
+* the **simulation**: the same computation on the CPU in the device dtype: what rounding alone
+  costs on a CPU.
+
+Both the device result and the simulation are measured against the golden by three errors, over the
+elements where the golden is finite (a non-finite device element there fails the tensor outright)::
+
+    MARE = max  |a - g| / (|g| + floor)      maximum relative error
+    MERE = mean |a - g| / (|g| + floor)      mean relative error
+    RMSE = sqrt(mean (a - g)^2)              root-mean-square error
+
+(an element whose golden is smaller than the floor is compared about absolutely: a reduction whose
+result is near zero by cancellation has no relative error worth the name, and in float32 one such
+element would otherwise decide a ratio of two maxima)
+and the verdict is on their ratios, ``device error / max(simulation error, floor)``, the floor being
+one unit of the dtype's precision, so that an exact simulation (a copy) does not make every rounding
+of the device fail:
+
+=============  ==========  =========  =========
+dtype          floor       MARE <=    MERE, RMSE <=
+=============  ==========  =========  =========
+bfloat16       2**-8       10         2
+float16        2**-11      10         2
+float32        2**-14      10         2
+=============  ==========  =========  =========
+
+(:data:`FLOORS`, :data:`THRESHOLDS`; the thresholds 10 / 2 / 2 and the floors are public Ascend
+practice.) A tensor passes when all three ratios are at or below their thresholds; the three ratios
+are printed per tensor (:func:`table`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+
+THRESHOLDS = {"MARE": 10.0, "MERE": 2.0, "RMSE": 2.0}
+FLOORS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-14}
+
+
+def golden_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The golden's dtype for a computation in ``dtype`` (see the module doc)."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error ``|a - b| / |b|`` (inf if ``a`` has a non-finite element): the checks that
+    run before a benchmark times anything."""
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+def errors(actual: torch.Tensor, golden: torch.Tensor, floor: float) -> dict:
+    """``{"MARE", "MERE", "RMSE", "nonfinite"}`` of ``actual`` against ``golden`` (same shape), over
+    the elements where the golden is finite, relative errors over ``|golden| + floor``;
+    ``nonfinite`` counts the elements of ``actual`` that are not finite there."""
+    a = actual.detach().to("cpu", torch.float64).reshape(-1)
+    g = golden.detach().to("cpu", torch.float64).reshape(-1)
+    keep = torch.isfinite(g)
+    a, g = a[keep], g[keep]
+    bad = int((~torch.isfinite(a)).sum())
+    if a.numel() == 0:
+        return dict(MARE=0.0, MERE=0.0, RMSE=0.0, nonfinite=bad)
+    diff = (a - g).abs()
+    diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, math.inf))
+    rel = diff / (g.abs() + floor)
+    return dict(MARE=float(rel.max()), MERE=float(rel.mean()), RMSE=float(diff.square().mean().sqrt()),
+                nonfinite=bad)
+
+
+@dataclasses.dataclass
+class Verdict:
+    """The verdict on one tensor: its errors on the device and in the simulation, the ratios, and
+    whether every ratio is within its threshold."""
+    tensor: str
+    dtype: str
+    device: dict
+    simulation: dict
+    floor: float
+    ratios: dict
+    ok: bool
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def judge(tensor: str, actual: torch.Tensor, simulation: torch.Tensor, golden: torch.Tensor,
+          dtype: torch.dtype | None = None) -> Verdict:
+    """The verdict on ``actual`` (the device result, in ``dtype``: by default its own dtype)."""
+    dtype = dtype or actual.dtype
+    name = str(dtype).replace("torch.", "")
+    if dtype not in FLOORS:
+        raise ValueError(f"judge: no precision floor for {dtype} (known: {', '.join(map(str, FLOORS))})")
+    floor = FLOORS[dtype]
+    if tuple(actual.shape) != tuple(golden.shape) or tuple(simulation.shape) != tuple(golden.shape):
+        return Verdict(tensor, name, {}, {}, floor, {m: math.inf for m in THRESHOLDS}, False,
+                       f"shapes differ: device {tuple(actual.shape)}, simulation {tuple(simulation.shape)}, "
+                       f"golden {tuple(golden.shape)}")
+    dev, sim = errors(actual, golden, floor), errors(simulation, golden, floor)
+    ratios = {m: dev[m] / max(sim[m], floor) for m in THRESHOLDS}
+    why = []
+    if dev["nonfinite"]:
+        why.append(f"{dev['nonfinite']} non-finite elements where the golden is finite")
+    why += [f"{m} ratio {ratios[m]:.3g} > {THRESHOLDS[m]:g}" for m in THRESHOLDS if not ratios[m] <= THRESHOLDS[m]]
+    return Verdict(tensor, name, dev, sim, floor, ratios, not why, "; ".join(why))
+
+
+def cast_inputs(args, dtype: torch.dtype, device="cpu"):
+    """``args`` with every floating tensor cast to ``dtype`` on ``device`` and every other tensor
+    moved there (lists and tuples followed; anything else as it is)."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return a.detach().to(device, dtype) if a.is_floating_point() else a.detach().to(device)
+        if isinstance(a, (list, tuple)):
+            return type(a)(one(x) for x in a)
+        return a
+    return one(args)
+
+
+def cpu_references(fn, args, dtype: torch.dtype, backend: str | None = "torch"):
+    """``(simulation, golden)``: ``fn(*args)`` on the CPU with its floating inputs in ``dtype`` and in
+    :func:`golden_dtype` of it, under the MEGABLOCKS_BACKEND ``backend`` (plain PyTorch by default;
+    None: the backend in force)."""
+    from megablocks_ascend import backends  # noqa: PLC0415
+    with backends.use_backend(backend) if backend else contextlib.nullcontext():
+        simulation = fn(*cast_inputs(args, dtype))
+        golden = fn(*cast_inputs(args, golden_dtype(dtype)))
+    return simulation, golden
+
+
+def all_ok(verdicts) -> bool:
+    return all(v.ok for v in verdicts)
+
+
+def table(rows) -> str:
+    """One line per tensor: ``rows`` is ``[(label, Verdict)]``; the three ratios and the verdict."""
+    head = (f"{'':44s} {'tensor':26s} {'dtype':8s} {'MARE ratio':>10s} {'MERE ratio':>10s} {'RMSE ratio':>10s}"
+            f"  (<= {THRESHOLDS['MARE']:g} / {THRESHOLDS['MERE']:g} / {THRESHOLDS['RMSE']:g})")
+    lines = [head]
+    for label, v in rows:
+        r = v.ratios
+        lines.append(f"{label[:44]:44s} {v.tensor[:26]:26s} {v.dtype:8s} {r['MARE']:10.3g} {r['MERE']:10.3g} "
+                     f"{r['RMSE']:10.3g}  {'ok' if v.ok else 'FAIL ' + v.why}")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""What every benchmark writes besides its numbers: the log, the environment, the JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def logger():
+    """``(log, lines)``: ``log(s)`` prints ``s`` at once and keeps it in ``lines`` for the log file."""
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+    return log, lines
+
+
+def _version(module: str) -> str:
+    try:
+        mod = __import__(module)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return f"unavailable ({type(e).__name__}: {e})"
+    return getattr(mod, "__version__", "?")
+
+
+def environment(device: torch.device) -> dict:
+    """Versions, date, command line and the device's facts."""
+    import triton  # noqa: PLC0415
+    env = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join([Path(sys.executable).name] + sys.argv))
+    mb = _version("megablocks")
+    env["megablocks"] = "0.10.0" if mb == "?" else mb
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(device=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda,
+                   memory_gib=round(p.total_memory / 2**30, 1),
+                   l2_mib=round(getattr(p, "L2_cache_size", 0) / 2**20, 1))
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception:  # noqa: BLE001
+            env["driver"] = "?"
+    elif device.type == "npu":
+        env["torch_npu"] = _version("torch_npu")
+        npu = getattr(torch, "npu", None)
+        try:
+            env["device"] = npu.get_device_name(device.index or 0)
+        except Exception as e:  # noqa: BLE001
+            env["device"] = f"npu ({type(e).__name__}: {e})"
+    else:
+        env.update(device=f"cpu ({platform.processor() or platform.machine()}), Triton interpreter")
+    return env
+
+
+def write_json(path: Path, report: dict) -> None:
+    Path(path).write_text(json.dumps(report, indent=1, default=str))
+
+
+def fmt(value, spec: str, width: int = 0) -> str:
+    """``value`` formatted with ``spec``, or ``-`` for None, right-aligned to ``width``."""
+    text = "-" if value is None else format(value, spec)
+    return text.rjust(width)
