@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
 import threading
 from typing import Any, Callable, Iterator
@@ -97,27 +98,25 @@ def _stk_refusal(name: str, call: dict, block: int) -> str | None:
             f"correctly: {why}. Use MEGABLOCKS_BACKEND=ascend (our Triton kernels) or torch (plain PyTorch)")
 
 
-def _upstream(name: str) -> Callable:
-    """``megablocks.backend.kernels.<name>`` as shipped (recorded by the patch registry before it
-    replaced it, else looked up now)."""
-    if name not in UPSTREAM:
-        import megablocks.backend.kernels as upstream  # noqa: PLC0415
-        fn = getattr(upstream, name)
+def _as_shipped(recorded: dict, module: str, name: str, what: str) -> Callable:
+    """``<module>.<name>`` as shipped: recorded by the patch registry before it replaced it, else
+    looked up now (and refused if it is already ours)."""
+    if name not in recorded:
+        fn = getattr(importlib.import_module(module), name)
         if getattr(fn, "__megablocks_ascend__", False):
-            raise BackendUnavailable(f"upstream megablocks.backend.kernels.{name} was not recorded before patching")
-        UPSTREAM[name] = fn
-    return UPSTREAM[name]
+            raise BackendUnavailable(f"{what}{module}.{name} was not recorded before patching")
+        recorded[name] = fn
+    return recorded[name]
+
+
+def _upstream(name: str) -> Callable:
+    """``megablocks.backend.kernels.<name>`` as shipped."""
+    return _as_shipped(UPSTREAM, "megablocks.backend.kernels", name, "upstream ")
 
 
 def _upstream_stk(name: str) -> Callable:
-    """``stk.backend.triton_kernels.<name>`` as shipped (as :func:`_upstream`)."""
-    if name not in UPSTREAM_STK:
-        import stk.backend.triton_kernels as upstream  # noqa: PLC0415
-        fn = getattr(upstream, name)
-        if getattr(fn, "__megablocks_ascend__", False):
-            raise BackendUnavailable(f"stk.backend.triton_kernels.{name} was not recorded before patching")
-        UPSTREAM_STK[name] = fn
-    return UPSTREAM_STK[name]
+    """``stk.backend.triton_kernels.<name>`` as shipped."""
+    return _as_shipped(UPSTREAM_STK, "stk.backend.triton_kernels", name, "")
 
 
 # Upstream's functions, for the ``cuda`` backend. Filled by the patch registry before it replaces
