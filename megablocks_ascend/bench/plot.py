@@ -68,9 +68,10 @@ def fraction_of_ceiling(results, ceiling, path, impls=("ours", "upstream", "torc
 
 def ours_vs_alternatives(rows, path, title=""):
     """One panel per (section, case): for each item (a routing op, the preparation, a fused NPU op, a
-    layer step), a bar per implementation with its time in ms (device time from graph replay where
-    every implementation of the item has it, else the host-launch + device time), log scale, and
-    above each alternative's bar how many times ours is faster. Rows not timed are left out."""
+    layer step), a bar per implementation with its time in ms, log scale: its device time from graph
+    replay where it has one, else (hatched) its host-launch + device time; above each alternative's
+    bar how many times ours is faster, on the time both have (device time where both have it). Rows
+    not timed are left out."""
     plt = _pyplot()
     panels = list(dict.fromkeys((r["section"], r["case"]) for r in rows if r.get("ms") is not None))
     if not panels:
@@ -83,20 +84,24 @@ def ours_vs_alternatives(rows, path, title=""):
         impls = sorted(dict.fromkeys(r["impl"] for r in mine), key=lambda i: i != "ours")
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
-            xs, vals, notes = [], [], []
+            xs, vals, notes, hatch = [], [], [], []
             for j, item in enumerate(items):
                 group = [r for r in mine if r["item"] == item]
-                use_graph = all(r.get("graph_ms") for r in group)
                 r = next((r for r in group if r["impl"] == impl), None)
                 if r is None:
                     continue
                 ours = next((o for o in group if o["impl"] == "ours"), None)
-                ms = r["graph_ms"] if use_graph else r["ms"]
-                base = (ours["graph_ms"] if use_graph else ours["ms"]) if ours else None
+                both = bool(r.get("graph_ms") and ours and ours.get("graph_ms"))
+                base = (ours["graph_ms"] if both else ours["ms"]) if ours else None
                 xs.append(j + (i - (len(impls) - 1) / 2) * width)
-                vals.append(ms)
-                notes.append("" if impl == "ours" or not base else f"{ms / base:.2g}x")
-            ax.bar(xs, vals, width, label=impl, color=_color(impl, seen))
+                vals.append(r.get("graph_ms") or r["ms"])
+                hatch.append(not r.get("graph_ms"))
+                notes.append("" if impl == "ours" or not base else
+                             f"{(r['graph_ms'] if both else r['ms']) / base:.2g}x")
+            bars = ax.bar(xs, vals, width, label=impl, color=_color(impl, seen))
+            for bar, h in zip(bars, hatch):
+                if h:
+                    bar.set_hatch("//")
             for x_, v, note in zip(xs, vals, notes):
                 if note:
                     ax.text(x_, v, note, ha="center", va="bottom", fontsize=6)
@@ -104,8 +109,8 @@ def ours_vs_alternatives(rows, path, title=""):
         ax.set_xticks(range(len(items)))
         ax.set_xticklabels([str(i).replace("_scatter_wgrad", "_wgrad") for i in items], rotation=15, fontsize=8)
         ax.set_ylabel("ms (log)")
-        ax.set_title(f"{title} {section}: {case} (device time where every bar has it; labels: alternative / ours)",
-                     fontsize=9)
+        ax.set_title(f"{title} {section}: {case} (device time from graph replay; hatched: host launch + device; "
+                     f"labels: alternative / ours)", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -30,12 +30,27 @@ def _version(module: str) -> str:
     return getattr(mod, "__version__", "?")
 
 
+def command_line() -> str:
+    """The command as run, without the machine's directories: ``python3 -m megablocks_ascend ...``
+    for the package's CLI (``sys.argv[0]`` is then the absolute path of its ``__main__``), the
+    script's path relative to the working directory otherwise."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name == "__main__.py" and Path(argv[0]).parent.name == "megablocks_ascend":
+        argv[0:1] = ["-m", "megablocks_ascend"]
+    elif argv and Path(argv[0]).is_absolute():
+        try:
+            argv[0] = str(Path(argv[0]).relative_to(Path.cwd()))
+        except ValueError:
+            argv[0] = Path(argv[0]).name
+    return " ".join([Path(sys.executable).name] + argv)
+
+
 def environment(device: torch.device) -> dict:
     """Versions, date, command line and the device's facts."""
     import triton  # noqa: PLC0415
     env = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join([Path(sys.executable).name] + sys.argv))
+               command=command_line())
     mb = _version("megablocks")
     env["megablocks"] = "0.10.0" if mb == "?" else mb
     if device.type == "cuda":
