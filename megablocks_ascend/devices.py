@@ -100,17 +100,30 @@ class UbModel:
 
 # Calibrated on bishengir-compile 1.2.0's plans for triton-ascend 3.2.0's IR (A2 and A3 targets):
 # the least coefficients (a linear program over every recorded plan of the kind's kernels) under
-# which the model bounds them all, rounded up, and 2 KiB more in the fixed part as a margin. Kinds and their kernels: gather (_gather,
-# _gather_tokens, _scatter_one), scatter (_scatter), wgrad (_wgrad, _wgrad_one; wgrad_walk is the
-# same kernel walking experts). docs/notes/ascend-backend.md has the data and how to refit.
+# which the model bounds them all, rounded up, and 2 KiB more in the fixed part as a margin. Kinds
+# and their kernels: gather (_gather), gather_tokens (_gather_tokens), scatter (_scatter),
+# scatter_one (_scatter_one), wgrad (_wgrad, _wgrad_one; wgrad_walk is the same kernel walking
+# experts). gather and scatter as fitted on 2026-12-01; wgrad, gather_tokens and scatter_one refitted
+# on 2026-12-02 after the census's kernel changes (docs/notes/npu-census.md). docs/notes/ascend-backend.md
+# has the data and how to refit.
 UB_MODELS = {
     #                 dtype   f32     masks   dtype/k f32/k   row  row/E  col/k  fixed
     "gather": UbModel(0.5, 1.5625, 1.5, 0.0, 0.0, 192, 8.125, 1.25, 9 * 1024),
-    "scatter": UbModel(0.4375, 0.625, 1.375, 0.6875, 0.1875, 240, 0.0, 0.5, 76 * 1024),
-    "wgrad": UbModel(1.0, 3.0625, 1.9375, 0.0, 0.0, 0, 2.375, 0.125, 20 * 1024),
+    "scatter": UbModel(0.5, 2.0, 3.1875, 0.5625, 2.125, 496, 0.0, 0.0, 13 * 1024),
+    "wgrad": UbModel(1.0625, 3.0, 1.9375, 0.0, 0.0, 0, 2.75, 0.25, 25 * 1024),
+    # The kernels of the scattered-store form (STORES: CUDA's; an NPU runs them only when
+    # MEGABLOCKS_ASCEND_STORES asks), each a kind of its own so that their plans, which grow where a
+    # select keeps their scaling off the per-row store loop, do not shrink the tiles of the kernels
+    # an NPU runs: the token-major gather, the position-major top_k-1 scatter.
+    "gather_tokens": UbModel(1.6875, 0.0, 1.5625, 0.375, 0.0, 192, 1.125, 0.5, 103 * 1024),
+    "scatter_one": UbModel(1.5, 1.125, 1.5, 0.0, 0.0, 0, 3.25, 0.625, 15 * 1024),
 }
 UB_MODELS["wgrad_walk"] = UB_MODELS["wgrad"]
 
+# The most programs one launch may have: triton-ascend refuses grids past 65,536 (seen in public
+# ports of Triton MoE kernels to Ascend); the kernels loop over their work inside, so no launch needs
+# more (tests/test_npu_constraints.py holds every launcher to it at 1M tokens and 1024 experts).
+MAX_PROGRAMS = 65536
 CUDA_PROGRAMS_PER_SM = 16  # 16 programs x 4 warps: a full SM (64 warps); see docs/notes/h200-speed.md
 INTERPRETER_PROGRAMS = 4
 
@@ -130,8 +143,42 @@ def target(device: torch.device) -> str:
     raise ValueError(f"no Triton target for device {device}: expected cpu, cuda or npu tensors")
 
 
+# The form of the routing kernels each target runs (kernels/routing.py; MEGABLOCKS_ASCEND_STORES
+# overrides it). Census of the planned modules (bishengir-compile 1.2.0, bf16, hidden 1024, per row;
+# docs/notes/npu-census.md): the token-major gather stores each token row to its top_k data-dependent
+# rows, 2.1 pipe_barrier[MTE3] per row at top_k 2 (stores one at a time, each waiting for the last),
+# against 0.13 for the buffer-row-major gather, which gathers on load and stores whole sub-blocks;
+# the position-major top_k-1 scatter and weight gradient store to data-dependent rows and elements
+# (2.0 and 1.0 MTE3 barriers per row) where the token- and slot-major ones store contiguously
+# (0.13). On CUDA the scattered forms are the faster ones (an H200: the token-major gather reads
+# each token row once, 2.5 -> 3.4 TB/s at fine-grained shapes; the one-launch top_k-1 forms save
+# the route map): docs/notes/h200-speed.md. The interpreter (CPU tensors, CI) runs the NPU's forms.
+STORES = {"npu": "contiguous", "cuda": "scattered", "interpreter": "contiguous"}
+
+
+# The routing preparation's form (kernels/preparation.py, NPU_FORM): on an NPU it scans along a
+# tile's first axis and through kernels/scan.py (elsewhere a scan is a scalar loop there) and writes
+# bin_ids in position order; CUDA keeps warp-level scans along the last axis and stores bin_ids with
+# indices (on an H200 the NPU's form made the preparation 1.1-1.5x slower: docs/notes/npu-census.md).
+# The interpreter runs the NPU's; not switched by MEGABLOCKS_ASCEND_STORES.
+PREP_NPU_FORM = {"npu": True, "cuda": False, "interpreter": True}
+
+
+def contiguous_stores(device: torch.device) -> bool:
+    """Whether the routing kernels on ``device`` take the contiguous-store form (see :data:`STORES`)."""
+    choice = envs.stores()
+    if choice == "auto":
+        choice = STORES[target(device)]
+    return choice == "contiguous"
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def block_k(top_k: int) -> int:
+    """Width of the token-major scatter's slot axis (``BLOCK_K``): ``top_k`` to a power of two."""
+    return _next_pow2(max(int(top_k), 1))
 
 
 def block_e(num_experts: int) -> int:
@@ -182,7 +229,7 @@ def num_programs(device: torch.device, work_items: int, *, unit: str = "vector",
         n = _aicore_count(index) if unit == "cube" else _core_count("npu", index)
     else:
         raise ValueError(f"no Triton target for device {device}")
-    return max(1, min(n, work_items))
+    return max(1, min(n, work_items, MAX_PROGRAMS))
 
 
 def ub_bytes(kind: str, block_m: int, block_x: int, element_size: int, *, even: bool = True,
@@ -213,13 +260,25 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str, *, top_
     min_x = max(UB_BLOCK_BYTES // es, 1)
     hidden_pow2 = max(_next_pow2(hidden), min_x)
     if device_target == "npu":
-        block_x = min(hidden_pow2, 512)
         budget = UB_BYTES - UB_RESERVE
-        fits = functools.partial(ub_bytes, kind, block_x=block_x, element_size=es, even=hidden % block_x == 0,
-                                 top_k=max(int(top_k), 1), block_e=block_e(num_experts))
-        block_m = 1
-        while block_m < 64 and fits(block_m * 2) <= budget:
-            block_m *= 2
+
+        def rows(block_x: int) -> int:
+            fits = functools.partial(ub_bytes, kind, block_x=block_x, element_size=es,
+                                     even=hidden % block_x == 0, top_k=max(int(top_k), 1),
+                                     block_e=block_e(num_experts))
+            block_m = 1
+            while block_m < 64 and fits(block_m * 2) <= budget:
+                block_m *= 2
+            return block_m
+
+        block_x = min(hidden_pow2, 512)
+        block_m = rows(block_x)
+        # A sub-block of one row pays the sub-block's own costs (its index loads and the
+        # scalar<->vector handshakes around them) on every row: a narrower feature tile buys a
+        # second row (the flat scatter at top_k 8 in float32; docs/notes/npu-census.md).
+        while block_m == 1 and block_x > 128:
+            block_x //= 2
+            block_m = rows(block_x)
         return Tile(block_m, block_x)
     if device_target == "cuda":
         block_x = min(hidden_pow2, 16 * 128 // es)  # one 16-byte vector per thread of 4 warps
@@ -231,7 +290,7 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str, *, top_
         # Measured on an H200: docs/notes/h200-speed.md.
         if kind == "wgrad_walk":
             return Tile(4, min(hidden_pow2, 256), num_warps=4)
-        return Tile(4 if kind == "gather" else 1, block_x, num_warps=4)
+        return Tile(4 if kind in ("gather", "gather_tokens", "scatter_one") else 1, block_x, num_warps=4)
     if device_target == "interpreter":
         return Tile(64, min(hidden_pow2, 256))
     raise ValueError(f"unknown target {device_target!r}")

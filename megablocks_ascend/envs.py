@@ -25,6 +25,16 @@ variable                           default   meaning
 ``MEGABLOCKS_ASCEND_NUM_PROGRAMS`` unset     Overrides the number of programs (the 1-D grid) the
                                              Ascend kernels launch; by default it comes from the
                                              device (vector cores on an NPU, SMs on CUDA).
+``MEGABLOCKS_ASCEND_STORES``       ``auto``  Which form of the routing kernels runs
+                                             (``kernels/routing.py``). ``contiguous``: every
+                                             store lands on consecutive buffer rows and rows are
+                                             gathered on load; ``scattered``: the token-major
+                                             gather (each token row read once, stored to its
+                                             top_k rows) and, at top_k 1, the one-launch
+                                             position-major scatter and weight gradient.
+                                             ``auto``: ``contiguous`` on NPU and CPU tensors,
+                                             ``scattered`` on CUDA (``devices.STORES``). For
+                                             comparing the forms on one device.
 ``MEGABLOCKS_ASCEND_AUTOLOAD``     ``1``     ``0`` turns the autoload off: ``import torch`` then no
                                              longer puts the import hook in place that activates
                                              the plugin just before MegaBlocks or stk execute, and
@@ -51,10 +61,12 @@ import _megablocks_ascend_autoload as _autoload
 BACKEND_VAR = "MEGABLOCKS_BACKEND"
 CHECKS_VAR = "MEGABLOCKS_ASCEND_CHECKS"
 NUM_PROGRAMS_VAR = "MEGABLOCKS_ASCEND_NUM_PROGRAMS"
+STORES_VAR = "MEGABLOCKS_ASCEND_STORES"
 AUTOLOAD_VAR = _autoload.AUTOLOAD_VAR  # parsed there: it is read before this package may be imported
 autoload_enabled = _autoload.enabled
 
 BACKENDS = ("auto", "ascend", "cuda", "torch")
+STORES = ("auto", "contiguous", "scattered")
 
 
 _parsed: dict = {}  # (variable, raw value) -> parsed value; invalid values are never stored
@@ -143,3 +155,15 @@ def _parse_num_programs(value):
 
 def num_programs_override() -> int | None:
     return _read(NUM_PROGRAMS_VAR, None, _parse_num_programs)
+
+
+def _parse_stores(raw: str) -> str:
+    value = raw.strip().lower() or "auto"
+    if value not in STORES:
+        raise ValueError(f"{STORES_VAR}={raw!r}: expected one of {', '.join(STORES)}")
+    return value
+
+
+def stores() -> str:
+    """The value of ``MEGABLOCKS_ASCEND_STORES``, validated: ``auto``, ``contiguous`` or ``scattered``."""
+    return _read(STORES_VAR, "auto", _parse_stores)

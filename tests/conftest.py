@@ -5,8 +5,9 @@ Triton interpreter, which must be on before ``triton`` is imported.
 
 Tests that take the ``device`` fixture can also run on an accelerator:
 ``MEGABLOCKS_ASCEND_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest tests/test_x.py`` runs
-them on CUDA tensors, with compiled Triton instead of the interpreter (so pass only files whose
-tests take the fixture: the others need the interpreter). The default is ``cpu``.
+them on CUDA tensors, with compiled Triton instead of the interpreter; the tests that do not take
+the fixture need the interpreter and are deselected there (and counted in the summary). The default
+is ``cpu``.
 """
 
 import os
@@ -45,6 +46,18 @@ def _fresh_launch_plans():
     monkeypatch (``kernels.routing.clear_plans``)."""
     from megablocks_ascend.kernels import routing  # noqa: PLC0415
     routing.clear_plans()
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an accelerator (``MEGABLOCKS_ASCEND_TEST_DEVICE`` not cpu) keep only the tests that take
+    the ``device`` fixture: the others run CPU tensors through the interpreter, which is off there."""
+    if (os.environ.get(TEST_DEVICE_VAR, "cpu").strip() or "cpu") == "cpu":
+        return
+    keep = [item for item in items if "device" in getattr(item, "fixturenames", ())]
+    dropped = [item for item in items if "device" not in getattr(item, "fixturenames", ())]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import torch
 from megablocks_ascend import compat, devices
 
 
-@pytest.mark.parametrize("kind", ["gather", "scatter", "wgrad", "wgrad_walk"])
+@pytest.mark.parametrize("kind", sorted(devices.UB_MODELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [1, 7, 16, 1000, 1024, 4096, 7168])
 @pytest.mark.parametrize("top_k, experts", [(1, 1), (2, 8), (8, 256)])
@@ -19,8 +19,10 @@ def test_npu_tiles_fit_the_unified_buffer_and_are_aligned(kind, dtype, hidden, t
     def model(block_m):
         return devices.ub_bytes(kind, block_m, t.block_x, es, even=hidden % t.block_x == 0, top_k=top_k,
                                 block_e=devices.block_e(experts))
-    # The model of the plan fits the UB minus the reserve (or the tile is down to one row) ...
+    # The model of the plan fits the UB minus the reserve (or the tile is down to one row of 128) ...
     assert model(t.block_m) <= devices.UB_BYTES - devices.UB_RESERVE or t.block_m == 1
+    # ... one row only where a narrower feature tile would not buy a second one ...
+    assert t.block_m > 1 or t.block_x <= 128 or t.block_x == max(devices._next_pow2(hidden), 16)
     # ... and the sub-block is as large as the budget allows (doubling it would not fit), up to 64.
     assert t.block_m == 64 or model(2 * t.block_m) > devices.UB_BYTES - devices.UB_RESERVE
     # Tiles are powers of two of whole 32-byte UB blocks.
@@ -53,6 +55,14 @@ def test_npu_tiles_shrink_where_the_plan_grows():
     gather = [devices.tile("gather", torch.bfloat16, 4096, "npu", top_k=2, num_experts=e).block_m
               for e in (8, 64, 256)]
     assert gather == sorted(gather, reverse=True) and gather[-1] < gather[0]
+
+
+def test_npu_tiles_narrow_rather_than_take_one_row():
+    """A one-row sub-block pays the sub-block's index loads and handshakes on every row: the flat
+    scatter at top_k 8 in float32, hidden 1000, takes two rows of 256 features, not one of 512."""
+    t = devices.tile("scatter", torch.float32, 1000, "npu", top_k=8)
+    assert t == devices.Tile(2, 256)
+    assert devices.ub_bytes("scatter", 2, 512, 4, even=False, top_k=8) > devices.UB_BYTES - devices.UB_RESERVE
 
 
 def test_other_targets_tiles():

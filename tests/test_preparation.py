@@ -42,7 +42,8 @@ def poisoned(poison_empty):
 
 def loop_reference(ids, num_experts, block):
     """``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` by Python loops: a stable sort
-    (ids outside ``[0, num_experts)`` after every valid one, in order), counts and inclusive sums."""
+    (ids outside ``[0, num_experts)`` after every valid one, in order, their bin id ``num_experts``),
+    counts and inclusive sums."""
     values = [int(v) for v in ids.reshape(-1).tolist()]
     n = len(values)
     key = [v if 0 <= v < num_experts else num_experts for v in values]
@@ -59,9 +60,7 @@ def loop_reference(ids, num_experts, block):
             prun += (c + block - 1) // block * block
             padded.append(prun)
     i32 = dict(dtype=torch.int32)
-    def int32(v):  # bin_ids are int32, as upstream's (which sorts top_experts.int()): wrapped
-        return (v + 2**31) % 2**32 - 2**31
-    return (torch.tensor(order, **i32), torch.tensor([int32(values[a]) for a in order], **i32),
+    return (torch.tensor(order, **i32), torch.tensor([key[a] for a in order], **i32),
             torch.tensor(bins, **i32), torch.tensor(counts, **i32), torch.tensor(padded, **i32) if block else None)
 
 
@@ -123,14 +122,19 @@ CASES = [
 
 @pytest.mark.parametrize("name,make,experts,block,block_m,programs", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("layout", [NO_ROUTE, routing.DROPLESS, routing.PADDED, routing.BINNED])
-def test_prepare_matches_a_stable_sort(name, make, experts, block, block_m, programs, layout, poisoned, monkeypatch):
+@pytest.mark.parametrize("npu_form", [True, False], ids=["npu-form", "cuda-form"])
+def test_prepare_matches_a_stable_sort(name, make, experts, block, block_m, programs, layout, npu_form, poisoned,
+                                       monkeypatch):
+    """Both forms of the preparation (devices.PREP_NPU_FORM: the NPU's, which the interpreter runs
+    by default, and CUDA's) against the references."""
     ids = make()
     before = ids.clone()
     n = ids.numel()
     capacity = max(n // experts, 1) if layout == routing.BINNED else 0
     want = loop_reference(ids, experts, block)
     tile = PrepTile(block_m) if block_m else None
-    got = preparation.prepare_routing(ids, experts, block, layout, capacity, tile=tile, num_programs=programs)
+    got = preparation.prepare_routing(ids, experts, block, layout, capacity, tile=tile, num_programs=programs,
+                                      npu_form=npu_form)
     assert torch.equal(ids, before)  # the input is left alone
     assert_same(got, want)
     # torch.sort's stable sort and MegaBlocks' own sequence agree (ids are valid here)
@@ -183,6 +187,15 @@ def test_binned_route_map_drops_past_the_capacity(monkeypatch):
     assert got.tolist() == [2, 0, 3, 4, -1, 1, -1, -1]
     zero, _, zero_bins, _, _ = preparation.prepare_routing(ids, 3, 0, routing.BINNED, 0)  # capacity 0: all dropped
     assert kept_route_map(zero, zero_bins, None, routing.BINNED, 0, monkeypatch).tolist() == [-1] * 8
+
+
+@pytest.mark.parametrize("npu_form", [True, False], ids=["npu-form", "cuda-form"])
+def test_out_of_range_ids_in_both_forms(npu_form, poisoned):
+    ids = torch.tensor([3, -1, 0, 5, 2, 3, 2**32 + 2, 0, 1, -2])
+    got = preparation.prepare_routing(ids, 4, 2, routing.DROPLESS, tile=PrepTile(4), num_programs=2,
+                                      npu_form=npu_form)
+    assert_same(got, loop_reference(ids, 4, 2))
+    assert got[1].tolist() == [0, 0, 1, 2, 3, 3, 4, 4, 4, 4]  # the four invalid ones: bin id 4, their bucket
 
 
 @pytest.mark.parametrize("backend", ["ascend", "torch"])
@@ -556,15 +569,15 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
        block=st.sampled_from([0, 1, 3, 16]), block_m=st.sampled_from([2, 4, 8, 32]),
        programs=st.integers(1, 6), layout=st.sampled_from([NO_ROUTE, routing.DROPLESS, routing.PADDED,
                                                            routing.BINNED]),
-       capacity=st.integers(0, 9), seed=st.integers(0, 2**31 - 1))
+       capacity=st.integers(0, 9), seed=st.integers(0, 2**31 - 1), npu_form=st.booleans())
 def test_preparation_property(experts, tokens, top_k, invalid, dtype, block, block_m, programs, layout, capacity,
-                              seed):
+                              seed, npu_form):
     if layout == routing.PADDED and not block:
         block = 4
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-invalid, experts + invalid, (tokens, top_k), generator=g).to(dtype)
     got = preparation.prepare_routing(ids, experts, block, layout, capacity, tile=PrepTile(block_m),
-                                      num_programs=programs)
+                                      num_programs=programs, npu_form=npu_form)
     assert_same(got, loop_reference(ids, experts, block))
     indices, _, bins, _, padded_bins = got
     if layout != NO_ROUTE:
@@ -664,3 +677,15 @@ def test_the_preparations_bins_serve_the_grouped_gemms_as_group_ends(backend, mo
     with backends.use_backend(backend):
         _, _, _, tokens_per_expert, _ = ops.prepare_routing(ids, 4)
     assert grouped_gemm._GROUPS_ATTR not in tokens_per_expert.__dict__  # nothing kept during a capture
+
+
+@pytest.mark.parametrize("npu_form", [True, False], ids=["npu-form", "cuda-form"])
+def test_the_stand_ins_sort_in_both_forms(npu_form, poisoned):
+    """megablocks_ops.sort through the preparation (values with bits above end_bit, which take no
+    part in the order but are placed with their item), in both forms."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randint(0, 8, (77,), generator=g) + (torch.randint(1, 4, (77,), generator=g) << 3)).to(torch.int32)
+    x_out, iota_out = torch.empty_like(x), torch.empty_like(x)
+    preparation.sort(x, 3, x_out, iota_out, tile=PrepTile(8), num_programs=3, npu_form=npu_form)
+    values, order = sort_loop(x.tolist(), 3, 32)
+    assert x_out.tolist() == values and iota_out.tolist() == order

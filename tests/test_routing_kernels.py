@@ -113,6 +113,8 @@ CASES = {
         # buffer has no rows.
         Case("cap0-bf16-w", 3, 8, 2, 37, torch.bfloat16, True, capacity=0, tile=SMALL, num_programs=3),
         Case("cap0-fp32-k1", 5, 8, 1, 16, torch.float32, False, capacity=0),
+        # top_k=3: the flat scatter's slot tile is 4 wide, its last column outside every token.
+        Case("k3-fp16-w-np3", 11, 5, 3, 37, torch.float16, True, capacity=6, tile=SMALL, num_programs=3),
     ],
     "dropless": [
         # top_k=8 over 8 experts: every token goes to every expert.
@@ -130,6 +132,9 @@ CASES = {
         # Skewed routing (a few experts take most tokens), 64 tokens, fp16, weighted.
         Case("skew-fp16-w-k2", 64, 8, 2, 130, torch.float16, True, skew=2.0),
         Case("empty-batch", 0, 4, 2, 37, torch.bfloat16, True),
+        # top_k=3 and 6 (slot tiles of 4 and 8 with unused columns), sub-blocks past the last token.
+        Case("k3-bf16-w-np3", 13, 5, 3, 37, torch.bfloat16, True, tile=SMALL, num_programs=3),
+        Case("k6-fp32-w", 9, 8, 6, 130, torch.float32, True),
     ],
     "padded": [
         # Block 4, counts 0,4,5,0,8,9,3,1,0: segments exactly on a multiple (4, 8), just over
@@ -242,7 +247,7 @@ def poisoned_empty(poison_empty):
 
 
 def run(backend: str, fn: str, case: Case, args):
-    if backend == "ascend":
+    if backend.startswith("ascend"):
         return getattr(routing, fn)(*args, tile=case.tile, num_programs=case.num_programs)
     return getattr(torch_backend, fn)(*args)
 
@@ -273,17 +278,32 @@ def assert_within(out, expected, bound, what):
         f"expected {expected[bad][0].item()}, bound {bound.expand_as(err)[bad][0].item():.3g}")
 
 
+def forms_differ(fn: str, case: Case) -> bool:
+    """Whether the two forms of the routing kernels (``devices.STORES``) run different kernels for
+    ``fn``: the gathers at top_k > 1 (buffer-row-major / token-major), the scatters at every top_k
+    (1: token-major after the route map / position-major; more: the flat slot tile / a load per
+    slot) and the weight gradients at top_k 1 (slot-major after the route map / position-major)."""
+    if fn.endswith("gather"):
+        return case.top_k > 1
+    return fn.endswith("scatter") or case.top_k == 1
+
+
+# 'ascend' runs the form the interpreter takes by default (the NPU's: contiguous stores);
+# 'ascend-scattered' the other one (CUDA's), where it differs.
 PARAMS = [
     pytest.param(family, fn, case, backend, id=f"{fn}-{case.id}-{backend}")
     for family, fns in FAMILIES.items()
     for fn in fns
     for case in CASES[family]
-    for backend in ("ascend", "torch")
+    for backend in ("ascend", "ascend-scattered", "torch")
+    if backend != "ascend-scattered" or forms_differ(fn, case)
 ]
 
 
 @pytest.mark.parametrize("family, fn, case, backend", PARAMS)
-def test_kernel(family, fn, case, backend, upstream_kernels, poisoned_empty):
+def test_kernel(family, fn, case, backend, upstream_kernels, poisoned_empty, monkeypatch):
+    if backend == "ascend-scattered":
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_STORES", "scattered")
     inp = inputs(family, case)
     args = call_args(fn, case, inp)
     before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
@@ -299,7 +319,7 @@ def test_kernel(family, fn, case, backend, upstream_kernels, poisoned_empty):
     assert out.dtype == case.dtype
     assert out.shape == expected.shape == upstream.shape
     dtype, eps, tiny = case.dtype, torch.finfo(case.dtype).eps, _tiny(case.dtype)
-    interpreted = backend == "ascend"
+    interpreted = backend.startswith("ascend")
     # One rounding to the dtype costs half an ulp, a whole one where the interpreter truncates.
     ours_rounding = eps if (interpreted and dtype == torch.bfloat16) else eps / 2
     upstream_rounding = eps if dtype == torch.bfloat16 else eps / 2
@@ -458,3 +478,40 @@ def test_int64_offsets_give_the_same_results(monkeypatch, top_k):
     assert routing._needs_int64(1)
     for name, args in calls.items():
         assert torch.equal(getattr(routing, name)(*args, tile=SMALL, num_programs=3), int32[name]), name
+
+
+@pytest.mark.parametrize("target, stores, want", [
+    ("npu", "auto", "contiguous"), ("interpreter", "auto", "contiguous"), ("cuda", "auto", "scattered"),
+    ("npu", "scattered", "scattered"), ("cuda", "contiguous", "contiguous"),
+])
+def test_each_target_runs_its_store_form(target, stores, want, monkeypatch):
+    """Which kernels a routing op launches: the contiguous-store form on an NPU (and the CPU
+    interpreter), the scattered one on CUDA, either when ``MEGABLOCKS_ASCEND_STORES`` says so.
+    The launchers are replaced by recorders: this checks the choice, test_kernel the results."""
+    from megablocks_ascend import devices
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_STORES", stores)
+    monkeypatch.setattr(devices, "target", lambda device: target)
+    ran = []
+    for name in ("gather_rows", "gather_tokens_rows", "scatter_rows", "scatter_one_rows", "wgrad_rows",
+                 "wgrad_one_rows", "route_map"):
+        monkeypatch.setattr(routing, name, lambda *a, _name=name, **k: ran.append(_name))
+    x, idx, bins = torch.zeros(4, 8), torch.arange(4, dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
+    for top_k in (1, 2):
+        ran.clear()
+        routing.gather(x[:4 // top_k], idx, idx, None, bins, top_k)
+        routing.scatter(x, idx, idx, None, bins, top_k)
+        routing.scatter_wgrad(x, x[:4 // top_k], idx, idx, bins, top_k)
+        if want == "contiguous":
+            expect = ["gather_rows", "route_map", "scatter_rows", "route_map", "wgrad_rows"]
+        elif top_k == 1:
+            expect = ["gather_rows", "scatter_one_rows", "wgrad_one_rows"]
+        else:
+            expect = ["gather_tokens_rows", "route_map", "scatter_rows", "route_map", "wgrad_rows"]
+        assert ran == expect, (top_k, ran)
+
+
+def test_an_invalid_store_form_is_refused(monkeypatch):
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_STORES", "rows")
+    with pytest.raises(ValueError, match="MEGABLOCKS_ASCEND_STORES='rows': expected one of auto, contiguous, scattered"):
+        routing.scatter(torch.zeros(4, 8), torch.arange(4, dtype=torch.int32), None, None,
+                        torch.tensor([4], dtype=torch.int32), 1)

@@ -53,9 +53,14 @@ import triton.language as tl
 from megablocks_ascend import devices
 from megablocks_ascend.compat import kernel
 from megablocks_ascend.kernels import routing
+from megablocks_ascend.kernels.scan import cumsum
 
 NO_ROUTE = -1  # ROUTE: no route map; else the layout of the one to write (routing.DROPLESS, ...)
 _DROPLESS, _PADDED = tl.constexpr(routing.DROPLESS), tl.constexpr(routing.PADDED)
+# PLACE: what _place writes besides the counts: nothing (the histogram), the routing preparation
+# (bin_ids are expert ids, written in position order), or a sort (bin_ids are the sorted values).
+HISTOGRAM, ROUTING, SORT = 0, 1, 2
+_HISTOGRAM, _ROUTING, _SORT = tl.constexpr(HISTOGRAM), tl.constexpr(ROUTING), tl.constexpr(SORT)
 
 
 @triton.jit
@@ -83,13 +88,65 @@ def _onehot(key, valid, e_f):
 
 
 @triton.jit
-def _pick(hit, v):
-    """``v[key of m]`` for each item ``m`` (0 for an item without a valid key): the one-hot ``hit``
-    times ``v``, summed over the keys. In float32, whose products and sums of one term are exact
-    below 2**24, so ``v`` (int32) goes in two halves of 16 bits."""
+def _scan(v, BLOCK: tl.constexpr, NPU_FORM: tl.constexpr):
+    """The inclusive prefix sum of a vector: in vector operations on an NPU (kernels/scan.py),
+    ``tl.cumsum`` elsewhere (a warp-level scan on CUDA)."""
+    if NPU_FORM:
+        out = cumsum(v, BLOCK)
+    else:
+        out = tl.cumsum(v, axis=0)
+    return out
+
+
+@triton.jit
+def _rank(key, valid, e_f, NPU_FORM: tl.constexpr):
+    """``(hit, rank)``: the block's one-hot (float32: 1 where item ``m`` has key ``e``, an item
+    without a valid key 0 everywhere) and each item's rank among the block's items of its key (a
+    scan of the one-hot along the items; float32 is exact, counts are at most BLOCK_M). On an NPU
+    the one-hot is ``[BLOCK_M, BLOCK_E]`` and scanned along its first axis (a vector scan there;
+    along the last axis it is a scalar loop over every element); on CUDA ``[BLOCK_E, BLOCK_M]``,
+    scanned along its last axis (within a warp: on an H200 the transposed tile made the
+    preparation 1.1-1.5x slower, docs/notes/npu-census.md)."""
+    k = tl.where(valid, key, -1).to(tl.float32)
+    if NPU_FORM:
+        hit = tl.where(k[:, None] == e_f[None, :], 1.0, 0.0)
+        rank = tl.sum(hit * tl.cumsum(hit, axis=0), axis=1).to(tl.int32) - 1
+    else:
+        hit = tl.where(e_f[:, None] == k[None, :], 1.0, 0.0)
+        rank = tl.sum(hit * tl.cumsum(hit, axis=1), axis=0).to(tl.int32) - 1
+    return hit, rank
+
+
+@triton.jit
+def _tally(hit, NPU_FORM: tl.constexpr):
+    """The block's items of each key (int32, ``[BLOCK_E]``), from :func:`_rank`'s one-hot."""
+    if NPU_FORM:
+        out = tl.sum(hit, axis=0).to(tl.int32)
+    else:
+        out = tl.sum(hit, axis=1).to(tl.int32)
+    return out
+
+
+@triton.jit
+def _pick(hit, v, NPU_FORM: tl.constexpr):
+    """``v[key of m]`` for each item ``m`` (0 for an item without a valid key): :func:`_rank`'s
+    one-hot times ``v``, summed over the keys. In float32, whose products and sums of one term are
+    exact below 2**24, so ``v`` (int32) goes in two halves of 16 bits."""
     hi = (v >> 16).to(tl.float32)
     lo = (v & 65535).to(tl.float32)
-    return (tl.sum(hit * hi[:, None], axis=0).to(tl.int32) << 16) + tl.sum(hit * lo[:, None], axis=0).to(tl.int32)
+    if NPU_FORM:
+        out = (tl.sum(hit * hi[None, :], axis=1).to(tl.int32) << 16) + tl.sum(hit * lo[None, :], axis=1).to(tl.int32)
+    else:
+        out = (tl.sum(hit * hi[:, None], axis=0).to(tl.int32) << 16) + tl.sum(hit * lo[:, None], axis=0).to(tl.int32)
+    return out
+
+
+@triton.jit
+def _below(v, bound):
+    """1 where ``v < bound``, else 0 (int32; both within int32 and their difference too): the sign
+    bit of ``v - bound``. A compare whose result is broadcast along another axis lowered, through
+    bishengir-compile 1.2.0, to one single-element vector compare per row."""
+    return -((v - bound) >> 31)
 
 
 @triton.jit
@@ -101,7 +158,7 @@ def _chunk(pid, chunk, num_items):
 @kernel
 def _count(
     keys, counts,
-    num_items, num_keys, key_mask, chunk,
+    num_items, num_keys, key_mask, chunk, table_rows,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -119,14 +176,14 @@ def _count(
         acc += tl.sum(_onehot(key, valid, e_f), axis=1).to(tl.int32)
         bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
     tl.store(counts + pid * BLOCK_E + e, acc)
-    tl.store(counts + npg * BLOCK_E + pid, tl.sum(bad, axis=0))
+    tl.store(counts + table_rows * BLOCK_E + pid, tl.sum(bad, axis=0))
 
 
 @kernel
 def _place(
     keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row,
-    num_items, num_keys, key_mask, chunk, block, capacity,
-    PLACE: tl.constexpr, PADDED: tl.constexpr, ROUTE: tl.constexpr,
+    num_items, num_keys, key_mask, chunk, table_rows, block, capacity,
+    PLACE: tl.constexpr, PADDED: tl.constexpr, ROUTE: tl.constexpr, NPU_FORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -141,26 +198,29 @@ def _place(
     bad_before = tl.zeros((BLOCK_P,), tl.int32)
     for q0 in range(0, npg, BLOCK_P):
         q = q0 + p
-        in_q = q < npg
-        rows = tl.load(counts + q[:, None] * BLOCK_E + e[None, :], mask=in_q[:, None], other=0)
-        earlier = (q < pid)[:, None]
-        total += tl.sum(rows, axis=0)
-        before += tl.sum(tl.where(earlier, rows, 0), axis=0)
-        if PLACE:  # (only the placement needs them)
-            bad = tl.load(counts + npg * BLOCK_E + q, mask=in_q, other=0)
-            bad_before += tl.where(q < pid, bad, 0)
-    ends = tl.cumsum(total, axis=0)  # inclusive: bins
+        # The table has table_rows >= npg rows, a multiple of BLOCK_P (the launcher's), so whole
+        # [BLOCK_P, BLOCK_E] tiles are read unmasked and the rows past the programs are multiplied
+        # by 0: a row mask (or a select) broadcast along the keys lowers, on an NPU, to one small
+        # vector op per row.
+        rows = tl.load(counts + q[:, None] * BLOCK_E + e[None, :])
+        live = _below(q, npg)
+        earlier = _below(q, pid)
+        total += tl.sum(rows * live[:, None], axis=0)
+        before += tl.sum(rows * earlier[:, None], axis=0)
+        if PLACE != _HISTOGRAM:  # (only the placement needs them)
+            bad_before += tl.load(counts + table_rows * BLOCK_E + q) * earlier
+    ends = _scan(total, BLOCK_E, NPU_FORM)  # inclusive: bins
     starts = ends - total
     if PADDED or ROUTE == _PADDED:  # (the launcher never asks for a padded map without PADDED)
         padded = (total + block - 1) // block * block
-        padded_ends = tl.cumsum(padded, axis=0)
+        padded_ends = _scan(padded, BLOCK_E, NPU_FORM)
     if pid == 0:
         e_mask = e < num_keys
         tl.store(tokens_per_expert + e, total, mask=e_mask)
         tl.store(bins + e, ends, mask=e_mask)
         if PADDED:
             tl.store(padded_bins + e, padded_ends, mask=e_mask)
-    if PLACE:
+    if PLACE != _HISTOGRAM:
         begin, end = _chunk(pid, chunk, num_items)
         cursor = starts + before  # the position of this program's next item of each key
         bad_cursor = tl.sum(total, axis=0) + tl.sum(bad_before, axis=0)  # invalid keys: after all valid
@@ -170,29 +230,43 @@ def _place(
             items = m0 + m
             inside = items < end
             raw, key, valid = _keys(keys, items, inside, num_keys, key_mask)
-            hit = _onehot(key, valid, e_f)
-            # earlier items of the same key in this block (float32: exact, at most BLOCK_M)
-            rank = tl.sum(hit * tl.cumsum(hit, axis=1), axis=0).to(tl.int32) - 1
-            pos = _pick(hit, cursor) + rank
+            hit, rank = _rank(key, valid, e_f, NPU_FORM)
+            pos = _pick(hit, cursor, NPU_FORM) + rank
             bad = inside.to(tl.int32) - valid.to(tl.int32)  # items without a valid key
-            pos = tl.where(valid, pos, bad_cursor + tl.cumsum(bad, axis=0) - bad)
+            pos = tl.where(valid, pos, bad_cursor + _scan(bad, BLOCK_M, NPU_FORM) - bad)
             # Positions are sums of counts of these same keys, so they lie in [0, num_items); the
             # mask keeps that true even if the keys changed between the two launches.
             ok = inside & (pos >= 0) & (pos < num_items)
             pos = tl.where(ok, pos, 0)
+            # The one store to computed positions on an NPU (a sort's): one element at a time there.
             tl.store(indices + pos, items.to(indices.dtype.element_ty), mask=ok)
-            tl.store(bin_ids + pos, raw.to(bin_ids.dtype.element_ty), mask=ok)
+            if PLACE == _SORT:  # the sorted values themselves (they may have bits above the key's)
+                tl.store(bin_ids + pos, raw.to(bin_ids.dtype.element_ty), mask=ok)
+            elif PLACE == _ROUTING and not NPU_FORM:  # (on an NPU: in position order, below)
+                tl.store(bin_ids + pos, tl.where(valid, key, num_keys).to(bin_ids.dtype.element_ty), mask=ok)
             if ROUTE >= 0:
                 if ROUTE == _DROPLESS:
                     row = pos
                 elif ROUTE == _PADDED:
-                    row = pos + _pick(hit, shift)
+                    row = pos + _pick(hit, shift, NPU_FORM)
                 else:  # binned: the first `capacity` positions of each expert are kept
-                    offset = _pick(hit, cursor - starts) + rank
+                    offset = _pick(hit, cursor - starts, NPU_FORM) + rank
                     row = tl.where(offset < capacity, key * capacity + offset, -1)
                 tl.store(slot_to_row + items, tl.where(valid & ok, row, -1), mask=inside)
-            cursor += tl.sum(hit, axis=1).to(tl.int32)
+            cursor += _tally(hit, NPU_FORM)
             bad_cursor += tl.sum(bad, axis=0)
+        if PLACE == _ROUTING and NPU_FORM:
+            # bin_ids written in position order, this program's share of the positions: the key
+            # whose segment holds position p, i.e. how many segments end at or before p (num_keys
+            # for the invalid ones, which lie after every segment). p - ends[e] < 0 is read off
+            # its sign bit: no integer compare (scalar code on an A2 vector unit), and no mask
+            # broadcast along the positions (a row-by-row select there): the lanes past the keys
+            # end at 2**31 - 1, which no position reaches.
+            last = tl.where(e < num_keys, ends, 2147483647)
+            for m0 in range(begin, end, BLOCK_M):
+                positions = m0 + m
+                seg = tl.sum(((positions[:, None] - last[None, :]) >> 31) + 1, axis=1)
+                tl.store(bin_ids + positions, seg.to(bin_ids.dtype.element_ty), mask=positions < end)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,13 +287,17 @@ def _grid(device, n: int, block_m: int, num_programs):
     return _cdiv(n, chunk), chunk
 
 
-def _launch(keys, num_keys, key_mask, *, indices=None, bin_ids=None, block=0, route=NO_ROUTE, capacity=0,
-            tile=None, num_programs=None):
+def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=None, block=0, route=NO_ROUTE,
+            capacity=0, tile=None, num_programs=None, npu_form=None):
     """Both launches over the flat ``keys``; returns ``(tokens_per_expert, bins, padded_bins, slot_to_row)``
-    and fills ``indices`` / ``bin_ids`` when given."""
+    and, unless ``place`` is ``HISTOGRAM``, fills ``indices`` and ``bin_ids`` (``ROUTING``: each
+    position's expert; ``SORT``: each position's value)."""
     n = keys.shape[0]
     device = keys.device
-    t = tile if tile is not None else devices.prep_tile(num_keys, devices.target(device))
+    target = devices.target(device)
+    t = tile if tile is not None else devices.prep_tile(num_keys, target)
+    if npu_form is None:
+        npu_form = devices.PREP_NPU_FORM[target]
     block_e = devices.block_e(num_keys)
     tokens_per_expert = torch.empty(num_keys, dtype=torch.int32, device=device)
     bins = torch.empty(num_keys, dtype=torch.int32, device=device)
@@ -231,22 +309,26 @@ def _launch(keys, num_keys, key_mask, *, indices=None, bin_ids=None, block=0, ro
                 out.zero_()
         return tokens_per_expert, bins, padded_bins, slot_to_row
     programs, chunk = _grid(device, n, t.block_m, num_programs)
-    counts = torch.empty(programs * (block_e + 1), dtype=torch.int32, device=device)
-    _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, BLOCK_M=t.block_m, BLOCK_E=block_e,
-                        num_warps=t.num_warps)
-    place = indices is not None
+    # One histogram row per program, then one count of invalid keys per program; rows up to a
+    # multiple of BLOCK_P (read in whole tiles by _place, never written: multiplied by 0 there).
+    block_p = devices.prep_block_p(programs, block_e)
+    table_rows = _cdiv(programs, block_p) * block_p
+    counts = torch.empty(table_rows * (block_e + 1), dtype=torch.int32, device=device)
+    _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, table_rows, BLOCK_M=t.block_m,
+                  BLOCK_E=block_e, num_warps=t.num_warps)
+    placed = place != HISTOGRAM
     _place.launch(
-        (programs,), keys, counts, indices if place else counts, bin_ids if place else counts, tokens_per_expert, bins,
+        (programs,), keys, counts, indices if placed else counts, bin_ids if placed else counts, tokens_per_expert, bins,
         padded_bins if block else bins, slot_to_row if slot_to_row is not None else counts,
-        n, num_keys, key_mask, chunk, max(block, 1), capacity,
-        PLACE=place, PADDED=bool(block), ROUTE=route,
-        BLOCK_M=t.block_m, BLOCK_E=block_e, BLOCK_P=devices.prep_block_p(programs, block_e), num_warps=t.num_warps,
+        n, num_keys, key_mask, chunk, table_rows, max(block, 1), capacity,
+        PLACE=place, PADDED=bool(block), ROUTE=route, NPU_FORM=npu_form,
+        BLOCK_M=t.block_m, BLOCK_E=block_e, BLOCK_P=block_p, num_warps=t.num_warps,
     )
     return tokens_per_expert, bins, padded_bins, slot_to_row
 
 
 def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=0, *, tile=None,
-                    num_programs=None):
+                    num_programs=None, npu_form=None):
     """``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the router's expert ids, as
     MegaBlocks computes them (``padded_bins``: each expert's count rounded up to a multiple of
     ``block``; None when ``block`` is 0), in two launches.
@@ -261,19 +343,20 @@ def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=
     bin_ids = torch.empty(n, dtype=torch.int32, device=keys.device)
     keep = route != NO_ROUTE and routing.route_map_keepable(indices)
     tokens_per_expert, bins, padded_bins, slot_to_row = _launch(
-        keys, num_experts, -1, indices=indices, bin_ids=bin_ids, block=block, route=route if keep else NO_ROUTE,
-        capacity=capacity, tile=tile, num_programs=num_programs)
+        keys, num_experts, -1, place=ROUTING, indices=indices, bin_ids=bin_ids, block=block,
+        route=route if keep else NO_ROUTE,
+        capacity=capacity, tile=tile, num_programs=num_programs, npu_form=npu_form)
     if keep:
         routing.keep_route_map(indices, bins, padded_bins if route == routing.PADDED else None,
                                slot_to_row, layout=route, capacity=capacity if route == routing.BINNED else 0)
     return indices, bin_ids, bins, tokens_per_expert, padded_bins
 
 
-def sort(x, end_bit, x_out, iota_out, *, tile=None, num_programs=None):
+def sort(x, end_bit, x_out, iota_out, *, tile=None, num_programs=None, npu_form=None):
     """``megablocks_ops.sort`` (a stable sort on the low ``end_bit`` bits) for ``end_bit`` up to
     ``log2(devices.MAX_PREP_KEYS)``: ``x_out`` gets the sorted values, ``iota_out`` the permutation."""
-    _launch(x, 1 << end_bit, (1 << end_bit) - 1, indices=iota_out, bin_ids=x_out, tile=tile,
-            num_programs=num_programs)
+    _launch(x, 1 << end_bit, (1 << end_bit) - 1, place=SORT, indices=iota_out, bin_ids=x_out, tile=tile,
+            num_programs=num_programs, npu_form=npu_form)
 
 
 def histogram(x, num_bins, *, tile=None, num_programs=None):

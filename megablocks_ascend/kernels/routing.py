@@ -54,6 +54,19 @@ Kernels
               slot-major kernel). With top_k > 1, position order would re-read each token's rows
               top_k times from memory, so the two-launch kernels are faster there (H200 notes).
 
+Two forms
+---------
+Each op has a form whose stores all land on consecutive rows (``_gather``, ``_scatter``,
+``_wgrad``: rows are gathered on load) and, for some top_k, one that stores to data-dependent rows
+(``_gather_tokens`` for top_k > 1; ``_scatter_one`` and ``_wgrad_one`` for top_k == 1). On an NPU a
+store to data-dependent rows becomes a loop over the rows in which each store waits for the one
+before (a ``pipe_barrier`` on the store pipe), so the NPU runs the contiguous form; on CUDA the
+other is the faster (each token row read once; one launch less). ``devices.STORES`` says which form
+each target runs, ``MEGABLOCKS_ASCEND_STORES`` overrides it, and ``docs/notes/npu-census.md`` has
+the compile gate's figures. In the kernels that keep the scattered form, a value stored to
+data-dependent rows is finished by a select (``_scaled``): without it triton-ascend copies the whole
+chain computing the value into the per-row store loop.
+
 Rows a kernel must not touch (dropped slots, padding, the tail of the last sub-block) are
 redirected to a spare row or element allocated past the end of the output (never read), not
 masked per row: a row mask computed from loaded data makes triton-ascend store element by
@@ -75,6 +88,7 @@ import triton.language as tl
 
 from megablocks_ascend import devices, envs, keeping
 from megablocks_ascend.compat import kernel
+from megablocks_ascend.kernels.scan import cumsum
 
 DROPLESS, PADDED, BINNED = 0, 1, 2
 # Triton kernels may only read globals that are tl.constexpr; the launchers use the ints above.
@@ -137,7 +151,7 @@ def _walk(bins, padded_bins, capacity, num_experts, num_items,
         delta = pstart - rstart
         kend = begin
     nblk = tl.where(e_mask, (end - begin + BLOCK_M - 1) // BLOCK_M, 0)
-    first = tl.cumsum(nblk, axis=0) - nblk
+    first = cumsum(nblk, BLOCK_E) - nblk  # (a vector scan: kernels/scan.py)
     return e, first, nblk, tl.sum(nblk, axis=0), begin - first * BLOCK_M, end, delta, kend
 
 
@@ -231,6 +245,17 @@ def _columns(x0, cols, hidden, EVEN_X: tl.constexpr, BLOCK_X: tl.constexpr):
     return c, c_mask
 
 
+@triton.jit
+def _scaled(tile, scale, valid, dtype):
+    """``tile * scale`` per row, in float32, cast to ``dtype``, for a store to computed rows. The
+    select at the end is not arithmetic: triton-ascend's front end turns a store to data-dependent
+    rows into a loop over the rows and copies the whole chain that feeds the store into it (the
+    cast, the broadcast, the multiply, the truncation: per row, with a bf16 weight moved through a
+    one-element buffer because the scalar unit cannot convert bf16, and a handshake each way); a
+    select stops the copying, so the chain runs once on the whole tile (docs/notes/npu-census.md)."""
+    return tl.where(valid[:, None], (tile.to(tl.float32) * scale[:, None]).to(dtype), 0)
+
+
 _INT32_LIMIT = 2**31
 
 
@@ -243,8 +268,9 @@ def _gather(
 ):
     # Buffer-row-major with a per-row expert search (_position_of_row), not a _walk: written as a
     # walk, this kernel made triton-ascend 3.2's discrete-mask-access-conversion pass crash in
-    # ~5-15% of compiles of the same TTIR (docs/notes/ascend-lowering.md). It serves top_k == 1
-    # only, where the search is cheap next to the row copies.
+    # ~5-15% of compiles of the same TTIR (docs/notes/ascend-lowering.md). The search is one
+    # [BLOCK_M, BLOCK_E] compare per sub-block, cheap next to the row copies. It serves every top_k
+    # on an NPU (its stores are contiguous: devices.STORES) and top_k == 1 on CUDA.
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
@@ -312,7 +338,7 @@ def _gather_tokens(
                 dst = _offsets(row, hidden, INT64)
                 if SCALE:
                     scale = tl.load(weights + slot, mask=valid, other=0).to(tl.float32)
-                    value = (tile.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
+                    value = _scaled(tile, scale, valid, out.dtype.element_ty)
                 else:
                     value = tile
                 tl.store(out + dst[:, None] + c[None, :], value, mask=c_mask[None, :])
@@ -355,9 +381,16 @@ def _route_map(
 def _scatter(
     y, out, slot_to_row, weights,
     num_tokens, num_rows, hidden,
-    TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
+    TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr, FLAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
+    # Token-major: a sub-block of BLOCK_M tokens gathers its slots' rows on load and stores its
+    # sums contiguously. FLAT (the NPU's form, devices.STORES): the sub-block's slots are one
+    # [BLOCK_M, BLOCK_K] tile (BLOCK_K: top_k to a power of two), so the map, the weights and the
+    # rows each come in one load of BLOCK_M * BLOCK_K rows and the top_k sum is a reduction: one
+    # scalar<->vector handshake per sub-block where a load per slot took one per slot and row
+    # (docs/notes/npu-census.md). Otherwise (CUDA) one [BLOCK_M, BLOCK_X] load per slot, which
+    # keeps its registers to one tile per slot.
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
@@ -366,22 +399,45 @@ def _scatter(
         tokens = blk * BLOCK_M + m
         in_tokens = tokens < num_tokens
         dst = _offsets(tokens, hidden, INT64)
-        for x0 in range(0, hidden, BLOCK_X):
-            c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-            acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
-            for k in tl.static_range(TOP_K):
-                slot = tokens * TOP_K + k
-                row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
-                valid = in_tokens & (row >= 0) & (row < num_rows)
-                row = tl.where(valid, row, 0)  # clamped, not only masked (triton-ascend#2332)
-                src = _offsets(row, hidden, INT64)
+        if FLAT:
+            first = tokens * TOP_K
+            kk = tl.arange(0, BLOCK_K)
+            slots = first[:, None] + kk[None, :]
+            # Both compares on the full tile (no broadcast of a [BLOCK_M] or [BLOCK_K] mask).
+            in_slots = (slots < num_tokens * TOP_K) & (slots - first[:, None] < TOP_K)
+            row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
+            valid = in_slots & (row >= 0) & (row < num_rows)
+            src = _offsets(tl.reshape(tl.where(valid, row, 0), (BLOCK_M * BLOCK_K,)), hidden, INT64)
+            valid = tl.reshape(valid, (BLOCK_M * BLOCK_K,))
+            if SCALE:
+                scale = tl.reshape(tl.load(weights + slots, mask=in_slots, other=0).to(tl.float32),
+                                   (BLOCK_M * BLOCK_K,))
+            for x0 in range(0, hidden, BLOCK_X):
+                c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
                 tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
                 tile = tile.to(tl.float32)
                 if SCALE:
-                    tile = tile * tl.load(weights + slot, mask=valid, other=0).to(tl.float32)[:, None]
-                acc += tile
-            tl.store(out + dst[:, None] + c[None, :], acc.to(out.dtype.element_ty),
-                     mask=in_tokens[:, None] & c_mask[None, :])
+                    tile = tile * scale[:, None]
+                acc = tl.sum(tl.reshape(tile, (BLOCK_M, BLOCK_K, BLOCK_X)), axis=1)
+                tl.store(out + dst[:, None] + c[None, :], acc.to(out.dtype.element_ty),
+                         mask=in_tokens[:, None] & c_mask[None, :])
+        else:
+            for x0 in range(0, hidden, BLOCK_X):
+                c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
+                acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
+                for k in tl.static_range(TOP_K):
+                    slot = tokens * TOP_K + k
+                    row = tl.load(slot_to_row + slot, mask=in_tokens, other=-1)
+                    valid = in_tokens & (row >= 0) & (row < num_rows)
+                    row = tl.where(valid, row, 0)  # clamped, not only masked (triton-ascend#2332)
+                    src = _offsets(row, hidden, INT64)
+                    tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+                    tile = tile.to(tl.float32)
+                    if SCALE:
+                        tile = tile * tl.load(weights + slot, mask=valid, other=0).to(tl.float32)[:, None]
+                    acc += tile
+                tl.store(out + dst[:, None] + c[None, :], acc.to(out.dtype.element_ty),
+                         mask=in_tokens[:, None] & c_mask[None, :])
 
 
 @kernel
@@ -411,8 +467,8 @@ def _scatter_one(
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
             tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
             if SCALE:
-                tile = tile.to(tl.float32) * scale[:, None]
-            tl.store(out + dst[:, None] + c[None, :], tile.to(out.dtype.element_ty), mask=c_mask[None, :])
+                tile = _scaled(tile, scale, valid, out.dtype.element_ty)
+            tl.store(out + dst[:, None] + c[None, :], tile, mask=c_mask[None, :])
 
 
 @kernel
@@ -476,8 +532,10 @@ def _wgrad_one(
             a = tl.load(y + src[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             b = tl.load(grad + gsrc[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
             acc += a * b
-        # Positions without a slot write to the spare element num_positions.
-        tl.store(out + tl.where(ok, slot, num_positions), tl.sum(acc, axis=1).to(out.dtype.element_ty))
+        # Positions without a slot write to the spare element num_positions. The select after the
+        # cast keeps the cast out of the per-element store loop (see _scaled).
+        value = tl.where(valid, tl.sum(acc, axis=1).to(out.dtype.element_ty), 0)
+        tl.store(out + tl.where(ok, slot, num_positions), value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -587,7 +645,7 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
     experts = bins.shape[0]
 
     def plan():
-        t = _tile("gather", x.dtype, hidden, device, tile, top_k=top_k, bins=bins)
+        t = _tile("gather_tokens", x.dtype, hidden, device, tile, top_k=top_k, bins=bins)
         walk = _walk_blocks(num_rows, t.block_m, experts) if layout != DROPLESS else 0
         return _grid(device, max(_cdiv(tokens, t.block_m), walk), num_programs), _row_meta(
             t, hidden, LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
@@ -602,11 +660,12 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
 
 
 def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k, capacity=0, **launch):
-    """Buffer-row-major (:func:`gather_rows`) when each token has one slot; token-major
-    (:func:`gather_tokens_rows`) when it has several, so that each token row is read once rather
-    than ``top_k`` times (a token's rows lie far apart in the expert-sorted buffer, so re-reads
-    miss the cache: on an H200 the fine-grained gather went from 2.5 to 3.4 TB/s)."""
-    launcher = gather_tokens_rows if top_k > 1 else gather_rows
+    """Buffer-row-major (:func:`gather_rows`: gathers token rows on load, stores whole sub-blocks)
+    on targets that take contiguous stores (an NPU: ``devices.STORES``) and wherever each token has
+    one slot; token-major (:func:`gather_tokens_rows`) otherwise, so that each token row is read
+    once rather than ``top_k`` times (a token's rows lie far apart in the expert-sorted buffer, so
+    re-reads miss the cache: on an H200 the fine-grained gather went from 2.5 to 3.4 TB/s)."""
+    launcher = gather_tokens_rows if top_k > 1 and not devices.contiguous_stores(x.device) else gather_rows
     return launcher(x, indices, bins, padded_bins, weights, layout=layout, num_rows=num_rows, top_k=top_k,
                     capacity=capacity, **launch)
 
@@ -713,13 +772,14 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
         return out
 
     def plan():
-        t = _tile("scatter", y.dtype, hidden, device, tile, top_k=top_k)
+        t = _tile("scatter", y.dtype, hidden, device, tile, top_k=devices.block_k(top_k))  # its slot rows
         return _grid(device, _cdiv(num_tokens, t.block_m), num_programs), _row_meta(
             t, hidden, TOP_K=top_k, SCALE=weights is not None,
-            INT64=_needs_int64(rows * hidden, num_tokens * hidden))
+            INT64=_needs_int64(rows * hidden, num_tokens * hidden), FLAT=devices.contiguous_stores(device),
+            BLOCK_K=devices.block_k(top_k))
 
     grid, meta = _planned(("scatter", device, y.dtype, rows, hidden, num_tokens, top_k, weights is None, tile,
-                           num_programs, envs.num_programs_override()), plan)
+                           num_programs, envs.num_programs_override(), envs.stores()), plan)
     _scatter.launch(grid, y, out, slot_to_row, weights if weights is not None else y, num_tokens, rows, hidden,
                     **meta)
     return out
@@ -740,7 +800,7 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
     experts = bins.shape[0]
 
     def plan():
-        t = _tile("gather", y.dtype, hidden, device, tile, bins=bins)
+        t = _tile("scatter_one", y.dtype, hidden, device, tile, bins=bins)
         return _grid(device, _walk_blocks(n, t.block_m, experts), num_programs), _row_meta(
             t, hidden, LAYOUT=layout, SCALE=weights is not None,
             INT64=_needs_int64(rows * hidden, (n + 1) * hidden), BLOCK_E=devices.block_e(experts))
@@ -753,9 +813,10 @@ def scatter_one_rows(y, indices, bins, padded_bins, weights, *, layout, capacity
 
 
 def _scatter_any(y, indices, bins, padded_bins, weights, *, layout, top_k, capacity=0, **launch):
-    """Position-major in one launch when each token has one slot (:func:`scatter_one_rows`);
-    token-major after the inverse map otherwise (:func:`route_map`, :func:`scatter_rows`)."""
-    if top_k == 1:
+    """Token-major after the inverse map (:func:`route_map`, :func:`scatter_rows`: gathers a token's
+    rows on load, stores whole sub-blocks of tokens); position-major in one launch when each token
+    has one slot on targets that take scattered stores (:func:`scatter_one_rows`: CUDA)."""
+    if top_k == 1 and not devices.contiguous_stores(y.device):
         return scatter_one_rows(y, indices, bins, padded_bins, weights, layout=layout, capacity=capacity,
                                 **launch)
     slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
@@ -817,9 +878,10 @@ def wgrad_one_rows(y, grad, indices, bins, padded_bins, *, layout, capacity=0, t
 
 
 def _wgrad_any(y, grad, indices, bins, padded_bins, *, layout, top_k, capacity=0, **launch):
-    """Position-major in one launch when each token has one slot (:func:`wgrad_one_rows`);
-    slot-major after the inverse map otherwise (:func:`route_map`, :func:`wgrad_rows`)."""
-    if top_k == 1:
+    """Slot-major after the inverse map (:func:`route_map`, :func:`wgrad_rows`: stores whole
+    sub-blocks of slots); position-major in one launch when each token has one slot on targets that
+    take scattered stores (:func:`wgrad_one_rows`: CUDA)."""
+    if top_k == 1 and not devices.contiguous_stores(y.device):
         return wgrad_one_rows(y, grad, indices, bins, padded_bins, layout=layout, capacity=capacity, **launch)
     slot_to_row = route_map(indices, bins, padded_bins, layout=layout, capacity=capacity,
                             num_programs=launch.get("num_programs"))
@@ -847,9 +909,8 @@ def binned_scatter_wgrad(x, grad, indices, bins, top_k, **launch):
 
 
 def gather(x, indices, bin_ids, weights, bins, top_k, **launch):
-    launcher = gather_tokens_rows if top_k > 1 else gather_rows  # (_gather_any, one call less)
-    return launcher(x, indices, bins, None, weights, layout=DROPLESS, num_rows=indices.shape[0], top_k=top_k,
-                    **launch)
+    return _gather_any(x, indices, bins, None, weights, layout=DROPLESS, num_rows=indices.shape[0], top_k=top_k,
+                       **launch)
 
 
 def scatter(x, indices, bin_ids, weights, bins, top_k, **launch):
@@ -861,7 +922,7 @@ def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, **launch):
 
 
 def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
-    if top_k > 1 and indices.shape[0] and padded_bins.numel():
+    if top_k > 1 and indices.shape[0] and padded_bins.numel() and not devices.contiguous_stores(x.device):
         # Launch the route map before the host waits for the output size; the token-major gather
         # below finds it in the route-map cache, so only one launch follows the sync.
         route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))

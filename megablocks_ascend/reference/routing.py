@@ -118,7 +118,8 @@ def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
     ``(indices, bin_ids, bins, tokens_per_expert, padded_bins)`` of the router's expert ids, as
     MegaBlocks' ``ops.sort`` / ``ops.histogram`` / ``ops.inclusive_cumsum`` (and ``ops.round_up``
     for ``padded_bins``, None when ``block`` is 0) compute them. Ids outside ``[0, num_experts)``
-    count in no expert and sort after every valid one, in order. ``route`` and ``capacity`` (the
+    count in no expert and sort after every valid one, in order, as if they were expert
+    ``num_experts``: that is their ``bin_ids`` entry. ``route`` and ``capacity`` (the
     route map the Triton kernels write for their routing calls) are not used: this backend's
     routing ops find each slot's row from ``bins`` themselves."""
     del route, capacity
@@ -128,7 +129,7 @@ def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
     keys = torch.where(valid, keys, num_experts)  # the invalid ones after every expert
     order = torch.sort(keys, stable=True).indices
     indices = order.int()
-    bin_ids = ids[order].int()
+    bin_ids = keys[order].int()
     # A fixed-size scatter-add (not bincount or boolean indexing: no data-dependent size).
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(0, keys, torch.ones_like(keys, dtype=torch.int32))
