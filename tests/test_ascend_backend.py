@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import types
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from megablocks_ascend import devices
-from megablocks_ascend.cli.lowering import bishengir, command, driver, gate, plan, report, table
+from megablocks_ascend.cli.lowering import bishengir, census, command, driver, gate, plan, report, table
 from megablocks_ascend.cli.lowering.configs import Config, configs, model_ub, tile_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -215,7 +216,8 @@ def test_each_reading_of_the_planned_module_lands_under_its_name(tmp_path):
     readings = dict(gate.readers(), ops=lambda text: dict(lines=len(text.splitlines())))
     res = bishengir.run(compiler, "module {}", ["--target=Ascend910B4"], readings)
     assert (res.status, res.problems) == ("ok", [])
-    assert res.readings == dict(plan=plan.read_plan(VECTOR_PLAN), ops=dict(lines=len(VECTOR_PLAN.splitlines())))
+    assert res.readings == dict(plan=plan.read_plan(VECTOR_PLAN), census=census.read(VECTOR_PLAN),
+                                ops=dict(lines=len(VECTOR_PLAN.splitlines())))
     res = bishengir.run(compiler, "module {}", ["--target=Ascend910B4"], dict(readings, census=broken))
     assert res.status == "FAIL" and res.problems == ["cannot read the census: no census here"]
     stage = bishengir.Stage(compiler, ("Ascend910B4",), _npu_options(), lambda text: (text, {"mix_mode": "aiv"}),
@@ -223,7 +225,7 @@ def test_each_reading_of_the_planned_module_lands_under_its_name(tmp_path):
     out = stage.compile("module {}", "Ascend910B4")
     assert out["plan"] == res.readings["plan"] and out["ops"] == res.readings["ops"] and out["mix_mode"] == "aiv"
     res = bishengir.run(_fake_compiler(tmp_path, None), "module {}", ["--target=Ascend910B4"], readings)
-    assert res.readings == dict(plan=None, ops=None) and res.status == "FAIL"
+    assert res.readings == dict(plan=None, census=None, ops=None) and res.status == "FAIL"
     assert res.problems == [f"no planned module ({bishengir.PLANNED_MODULE}) after the run"]
 
 
@@ -234,7 +236,7 @@ def test_back_end_folds_every_reading_into_the_row(monkeypatch):
         return [f"{row['ops']} ops"] if row["ops"] > 2 else []
 
     monkeypatch.setattr(gate, "READINGS", gate.READINGS + (gate.Reading("ops", len, fold),))
-    assert set(gate.readers()) == {"plan", "ops"}
+    assert set(gate.readers()) == {"plan", "census", "ops"}
     spec = next(s for s in table.KERNELS if s.name == "_scatter")
     good = dict(target="Ascend910B4", status="ok", problems=[], plan=plan.read_plan(VECTOR_PLAN), ops=1,
                 seconds=0.3, mix_mode="aiv")
@@ -414,3 +416,46 @@ def test_lower_refuses_an_axis_or_constexpr_no_kernel_has(capsys):
     args.axis, args.set = ["TOP_K=8"], ["BLOCK_N=64"]  # a cube tile side, not a _scatter constexpr
     assert command.main(args) == 2
     assert "--set BLOCK_N: no kernel matching --only _scatter has it" in capsys.readouterr().err
+
+
+@needs_backend
+def test_gate_fails_a_kernel_that_brings_back_the_per_row_chain():
+    """The census in the gate: the token-major gather as it was before the census (its scaling in
+    the expression feeding a store to data-dependent rows, tests/census_variants.py) fails on the
+    one-element vector ops per row the compiler then emits; today's kernel passes the same
+    configuration."""
+    axes = ("--only", "_gather_tokens", "--axis", "dtype=bf16", "--axis", "hidden=1024", "--axis", "TOP_K=2",
+            "--axis", "SCALE=true", "--axis", "INT64=false", "--axis", "LAYOUT=0")
+    old = _lower(*axes, "--variant", "_gather_tokens=tests.census_variants")
+    assert old.returncode == 1, old.stdout + old.stderr
+    assert "variants (--variant): _gather_tokens from tests.census_variants" in old.stdout
+    assert "census: 4 one-element vector ops per row in a hot loop (target <= 0)" in old.stdout
+    assert "most scalar<->vector handshakes per row: 8.75" in old.stdout
+    now = _lower(*axes)
+    assert now.returncode == 0, now.stdout + now.stderr
+    assert "most one-element vector ops per row: 0 " in now.stdout
+
+
+@needs_backend
+def test_gate_fails_the_scatter_that_loads_one_slot_at_a_time():
+    """The token-major scatter loading each slot's row index and weight on its own (FLAT=0: CUDA's
+    form, the NPU's at every top_k before the census) misses the handshake target at top_k 8; the
+    flat form (a sub-block's slots as one tile) meets it in the same configuration."""
+    axes = ("--only", "_scatter", "--axis", "dtype=fp32", "--axis", "hidden=1024", "--axis", "TOP_K=8",
+            "--axis", "SCALE=true", "--axis", "INT64=false", "--axis", "LAYOUT=0")
+    old = _lower(*axes, "--set", "FLAT=false")
+    assert old.returncode == 1, old.stdout + old.stderr
+    missed = re.search(r"census: ([0-9.]+) scalar<->vector handshakes per row \(target <= 1\)", old.stdout)
+    assert missed and float(missed.group(1)) > 4, old.stdout
+    now = _lower(*axes)
+    assert now.returncode == 0, now.stdout + now.stderr
+
+
+@needs_backend
+def test_gate_fails_a_scan_along_the_last_axis():
+    """The preparation's placement ranking items with a scan along its one-hot tile's last axis
+    (tests/census_variants.py): a per-element scalar loop, which the census counts and fails."""
+    r = _lower("--only", "_place", "--axis", "index=i32", "--axis", "PLACE=1", "--axis", "ROUTE=0",
+               "--axis", "PADDED=false", "--variant", "_place=tests.census_variants")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "census: 1 per-element scalar loops in the kernel (target <= 0)" in r.stdout

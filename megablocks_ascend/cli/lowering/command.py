@@ -8,6 +8,7 @@ npubin stage is not the one the gate is written against).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from megablocks_ascend.cli.lowering.driver import (
     TritonAscendMissing,
     make_backend,
 )
-from megablocks_ascend.cli.lowering.table import EXPERTS, KERNELS
+from megablocks_ascend.cli.lowering.table import EXPERTS, KERNELS, source_digest
 
 REEXEC_VAR = "_MEGABLOCKS_ASCEND_LOWER_REEXEC"  # set in the process main() starts again
 
@@ -53,6 +54,21 @@ def _pairs(items, what: str, single: bool) -> dict:
     return out
 
 
+def _with_variants(specs, items) -> tuple:
+    """``specs`` with the kernels ``--variant NAME=MODULE`` names taken from ``MODULE`` (a dotted
+    module path holding a kernel of the same name): a candidate kernel, or an old form of one, is
+    lowered, compiled and held to the same table entry, memory model and census targets."""
+    variants = _pairs(items, "--variant", single=True)
+    names = {s.name for s in specs}
+    unknown = sorted(set(variants) - names)
+    if unknown:
+        raise ValueError(f"--variant {', '.join(unknown)}: no kernel of that name in the table")
+    for name, module in variants.items():
+        if not isinstance(module, str) or "." not in module:
+            raise ValueError(f"--variant {name}={module!r}: expected a dotted module path")
+    return tuple(dataclasses.replace(s, variant=variants[s.name]) if s.name in variants else s for s in specs)
+
+
 def main(args) -> int:
     """The ``lower`` subcommand (see :func:`add_arguments`)."""
     try:
@@ -61,7 +77,12 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    chosen = [s for s in KERNELS if not args.only or args.only in s.name]
+    try:
+        specs = _with_variants(KERNELS, getattr(args, "variant", None))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    chosen = [s for s in specs if not args.only or args.only in s.name]
     unknown = [f"--axis {n}" for n in axes if not any(n in s.axes for s in chosen)]
     unknown += [f"--set {n}" for n in overrides if not any(n in s.derived or n in s.axes for s in chosen)]
     if unknown:
@@ -93,7 +114,9 @@ def main(args) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         header += backend.describe()
-    specs = KERNELS
+    variants = [f"{s.name} from {s.variant}" for s in specs if s.variant]
+    if variants:
+        header.append(f"variants (--variant): {', '.join(variants)}")
     try:
         cfgs = configs(specs, axes=axes, experts=getattr(args, "experts", None) or EXPERTS, overrides=overrides)
     except (KeyError, ValueError) as exc:
@@ -112,6 +135,9 @@ def main(args) -> int:
         report.write_json(args.json, results, backend, args.arch, wall)
     if getattr(args, "plans", None):
         report.write_plans(args.plans, results, backend)
+    if getattr(args, "census", None):
+        report.write_census(args.census, results, backend,
+                            {s.name: source_digest(s) for s in specs if any(r["kernel"] == s.name for r in results)})
     failed = [r for r in results if r["status"] != "ok"]
     seen = set()  # full error text, once per distinct error, on stderr
     for r in failed:
@@ -139,3 +165,8 @@ def add_arguments(parser) -> None:
                         help="set a constexpr by hand after the launchers' choice (e.g. BLOCK_M=64): shows "
                              "what the back end does with a tile no launcher picks")
     parser.add_argument("--plans", metavar="PATH", help="merge the planned peaks into this JSON file")
+    parser.add_argument("--census", metavar="PATH", help="merge the census (per row of the hot loop) into this "
+                        "JSON file")
+    parser.add_argument("--variant", action="append", metavar="NAME=MODULE",
+                        help="take kernel NAME from MODULE (a dotted module path, e.g. tests.census_variants): "
+                             "gate a variant of a kernel against the same table entry and targets")

@@ -124,10 +124,16 @@ def _constexprs(spec: KernelSpec, axes: dict, experts: int) -> tuple[dict, dict 
         constexprs["BLOCK_M"] = prep_block_m(experts)
         if "BLOCK_P" in spec.derived:
             constexprs["BLOCK_P"] = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(experts))
+        if "NPU_FORM" in spec.derived:
+            constexprs["NPU_FORM"] = devices.PREP_NPU_FORM["npu"]
     else:
         constexprs["BLOCK_M"] = ROUTE_MAP_BLOCK_M
     if "BLOCK_E" in spec.derived:
         constexprs["BLOCK_E"] = devices.block_e(experts)
+    if "BLOCK_K" in spec.derived:  # the flat scatter's slot axis
+        constexprs["BLOCK_K"] = devices.block_k(axes["TOP_K"])
+    if "FLAT" in spec.derived:
+        constexprs["FLAT"] = devices.STORES["npu"] == "contiguous"
     return constexprs, None
 
 
@@ -158,8 +164,10 @@ def _cube_constexprs(spec: KernelSpec, axes: dict) -> tuple[dict, dict | None]:
 def tile_args(spec: KernelSpec, axes: dict, experts: int) -> dict:
     """What a kernel's launcher passes to ``devices.tile`` besides the dtype and hidden size
     (``routing._tile``): its top_k (kernels that unroll their slots) and expert count (those that
-    take the bins: the ``BLOCK_E`` kernels)."""
-    return dict(top_k=axes.get("TOP_K", 1) if spec.unrolls_top_k else 1,
+    take the bins: the ``BLOCK_E`` kernels); the flat scatter's ``BLOCK_K`` slots for its top_k."""
+    from megablocks_ascend import devices  # noqa: PLC0415
+    top_k = axes.get("TOP_K", 1) if spec.unrolls_top_k else 1
+    return dict(top_k=devices.block_k(top_k) if "BLOCK_K" in spec.derived else top_k,
                 num_experts=experts if "BLOCK_E" in spec.derived else 1)
 
 

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
-from megablocks_ascend.cli.lowering import ir, plan
+from megablocks_ascend.cli.lowering import census, ir, plan
 from megablocks_ascend.cli.lowering.configs import Config, configs
 from megablocks_ascend.cli.lowering.driver import Lowerer, error_text, lower_retrying_tool_crashes
-from megablocks_ascend.cli.lowering.table import KERNELS, KernelSpec
+from megablocks_ascend.cli.lowering.table import KERNELS, KernelSpec, kernel_params
 
 
 def run(kernels: Iterable[KernelSpec] = KERNELS, *, dump: str | None = None,
@@ -177,6 +177,38 @@ def model_problems(cfg: Config, planned: dict) -> list[str]:
     return out
 
 
+def census_rows(spec: KernelSpec, cfg: Config) -> int:
+    """The items one iteration of the kernel's hot loop handles (its sub-block): ``BLOCK_M``, else
+    the constexpr stepping its hot loop (``BLOCK`` of the row indices and the zero fill)."""
+    return int(cfg.constexprs.get("BLOCK_M") or cfg.constexprs.get(spec.hot_step) or 1)
+
+
+def _fold_census(row: dict, spec: KernelSpec, cfg: Config, by_target: dict) -> list[str]:
+    """Each target's census (per row of the hot loop) in its result, the first target's in the row,
+    held against :data:`census.TARGETS`; targets whose census differs from the first are noted."""
+    runtime, _ = kernel_params(spec.kernel().fn)
+    figures = {}
+    for target, res in by_target.items():
+        module = res.get("census")
+        if module is None:
+            continue
+        cores = (res.get("plan") or {}).get("cores") or {}
+        programs = cores.get("aic" if spec.cube else "aiv") or 40
+        res["census"] = figures[target] = census.census(module, cfg.scalars, runtime, census_rows(spec, cfg),
+                                                        programs=programs)
+    if not figures:
+        return []
+    first = next(iter(figures.values()))
+    row["census"] = first
+    row["npu_chosen"] = spec.npu_chosen
+    row["inherent_row_stores"] = spec.inherent_row_stores(cfg.axes)
+    for target, other in list(figures.items())[1:]:
+        if {k: other[k] for k in census.ROW_METRICS} != {k: first[k] for k in census.ROW_METRICS}:
+            row.setdefault("census_differs", []).append(target)
+    return census.problems(first, chosen=spec.npu_chosen, inherent_row_stores=row["inherent_row_stores"],
+                           int64=bool(cfg.axes.get("INT64")))
+
+
 class Reading(NamedTuple):
     """One reading of the planned module, from the compiler's worker thread to the row."""
     name: str  # its key in each target's result (and in the JSON's "backend" entries)
@@ -186,6 +218,7 @@ class Reading(NamedTuple):
 
 READINGS = (
     Reading("plan", plan.read_plan, _fold_plan),
+    Reading("census", census.read, _fold_census),
 )
 
 

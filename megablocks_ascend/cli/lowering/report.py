@@ -31,14 +31,23 @@ CUBE_COLUMNS = (("kernel", "kernel"), ("config", "configuration"), ("status", "s
 
 _PLANNED = {"ub_plan%": ("ub_plan", "ub"), "l1_plan%": ("l1_plan", "cbuf"), "l0c_plan%": ("l0c_plan", "cc")}
 
+# The census (census.py), per row of the hot loop: a table of its own after the memory tables.
+CENSUS_COLUMNS = (("kernel", "kernel"), ("config", "configuration"), ("npu", "NPU runs it"),
+                  ("flags", "set/wait"), ("handshakes_sv", "S<>V"), ("barriers_mte3", "MTE3 bar."),
+                  ("barriers", "barriers"), ("scalar_ub", "scalar UB"), ("scalar_gm", "scalar GM"),
+                  ("vector_ops", "vector"), ("vector_lt64", "vec<64"), ("vector_1", "vec x1"),
+                  ("dma", "DMA"), ("dma_bytes", "B/row"), ("row_stores", "row st."), ("scalar_loops", "scalar loops"))
+
 
 def _table(results: list[dict], columns) -> list[str]:
     def cell(r, k):
         if k in _PLANNED:
             v = _pct(r, *_PLANNED[k])
+        elif k == "npu":
+            v = "yes" if r.get("npu_chosen") else "no"
         else:
             v = r.get(k, (r.get("cube_bytes") or {}).get(k))
-        return "-" if v is None else str(v)
+        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
     rows = [[cell(r, k) for k, _ in columns] for r in results]
     head = [h for _, h in columns]
     widths = [max([len(head[i])] + [len(row[i]) for row in rows]) for i in range(len(head))]
@@ -69,6 +78,25 @@ def plan_summary(results: list[dict]) -> list[str]:
     return lines
 
 
+def census_summary(results: list[dict]) -> list[str]:
+    """The census in a few lines: the largest figure of each targeted metric over the configurations
+    an NPU runs, and where; configurations whose census differs between targets."""
+    counted = [r for r in results if r.get("census")]
+    if not counted:
+        return []
+    chosen = [r for r in counted if r.get("npu_chosen")]
+    lines = []
+    for metric, what in (("flags", "set/wait flags"), ("handshakes_sv", "scalar<->vector handshakes"),
+                         ("barriers_mte3", "MTE3 barriers"), ("vector_1", "one-element vector ops"),
+                         ("row_stores", "row-by-row stores"), ("scalar_loops", "per-element scalar loops (in the kernel)")):
+        top = max(chosen or counted, key=lambda r: r["census"][metric])
+        per = "" if metric == "scalar_loops" else " per row"
+        lines.append(f"  most {what}{per}: {top['census'][metric]:g} ({top['kernel']} [{top['config']}])")
+    differs = [r for r in counted if r.get("census_differs")]
+    lines.append(f"  targets with a different census from the first: {len(differs)} configurations")
+    return lines
+
+
 def format_table(results: list[dict], header: list[str] | None = None, footer: list[str] | None = None) -> str:
     """The report: one line per configuration (vector kernels, then cube kernels), the back end's
     summary and error details after the tables, ``lowered: N/M`` last."""
@@ -79,9 +107,16 @@ def format_table(results: list[dict], header: list[str] | None = None, footer: l
         lines += _table(vector, COLUMNS)
     if cube:
         lines += ([""] if lines else []) + _table(cube, CUBE_COLUMNS)
+    counted = [dict(r, **r["census"]) for r in results if r.get("census")]
+    if counted:
+        lines += ["", "census per row of the hot loop (first target; docs/notes/npu-census.md):"]
+        lines += _table(counted, CENSUS_COLUMNS)
     summary = plan_summary(results)
     if summary:
         lines += ["", "memory plans (bishengir-compile, first target):"] + summary
+    summary = census_summary(results)
+    if summary:
+        lines += ["", "census (the configurations an NPU runs):"] + summary
     failures = [r for r in results if r["status"] != "ok"]
     if failures:  # one line per kernel and distinct error, with the first configuration that hit it
         groups: dict = {}
@@ -129,6 +164,32 @@ def write_plans(path: str, results: list[dict], backend) -> None:
              for e in sorted(entries.values(), key=lambda e: (e["kernel"], e["config"]))]
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(head, sort_keys=True)[:-1] + ', "plans": [\n' + ",\n".join(lines) + "\n]}\n")
+
+
+def write_census(path: str, results: list[dict], backend, digests: dict) -> None:
+    """Merge the census of ``results`` into the JSON file ``path`` (``tests/data/ascend_census.json``,
+    which a CPU test holds against the targets): per kernel and configuration, the figures, what the
+    targets need to know (NPU-chosen, inherent stores, int64) and the digest of the kernel's source
+    (``digests``: kernel name -> ``table.source_digest``), one entry per line."""
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.is_file() else {}
+    entries = {(e["kernel"], e["config"]): e for e in data.get("census", [])}
+    keep = ("flags", "handshakes_sv", "barriers", "barriers_mte3", "scalar_ub", "scalar_gm", "vector_ops",
+            "vector_lt64", "vector_1", "vector_i64", "dma", "dma_bytes", "row_stores", "scalar_loops",
+            "scalar_loop_iters")
+    for r in results:
+        if not r.get("census") or r.get("overridden"):  # (a tile set by hand is no launcher's)
+            continue
+        entries[(r["kernel"], r["config"])] = dict(
+            kernel=r["kernel"], config=r["config"], axes=r["axes"], experts=r["experts"],
+            npu_chosen=r["npu_chosen"], inherent_row_stores=r["inherent_row_stores"],
+            figures={k: r["census"][k] for k in keep}, digest=digests[r["kernel"]], status=r["status"])
+    head = dict(compiler=backend.compiler.describe() if backend else data.get("compiler"),
+                target=backend.targets[0] if backend else data.get("target"))
+    lines = [json.dumps(e, sort_keys=True, separators=(",", ":"))
+             for e in sorted(entries.values(), key=lambda e: (e["kernel"], e["config"]))]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(head, sort_keys=True)[:-1] + ', "census": [\n' + ",\n".join(lines) + "\n]}\n")
 
 
 def write_json(path: str, results: list[dict], backend, arch: str, seconds: float) -> None:

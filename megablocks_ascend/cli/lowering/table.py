@@ -93,10 +93,43 @@ class KernelSpec:
     hot_step: str = "BLOCK_X"  # the constexpr stepping the loop analyze_ir calls hot
     no_scalar_hot: bool = False  # gated on scalar_hot == 0 although it moves no feature rows
     unrolls_top_k: bool = False  # tl.static_range(TOP_K): its launcher passes top_k to devices.tile
+    # The census's targets (census.TARGETS): whether an NPU's launchers run this kernel (devices.STORES:
+    # not the forms whose stores go to data-dependent rows), and the stores to computed positions
+    # per row its result needs (a sort's, an inverse map's), as functions of the configuration's axes.
+    npu_chosen: bool = True
+    inherent_row_stores: Callable[[dict], int] = lambda axes: 0  # PLACE (preparation): 0, 1 or 2
+    variant: str | None = None  # a module holding a variant of the kernel, to gate in its place (--variant)
 
     def kernel(self):
-        """The ``compat.Kernel`` this entry names."""
-        return getattr(importlib.import_module(f"megablocks_ascend.kernels.{self.module}"), self.name)
+        """The ``compat.Kernel`` this entry names (from ``variant`` when one is given)."""
+        return getattr(importlib.import_module(self.variant or f"megablocks_ascend.kernels.{self.module}"), self.name)
+
+
+def source_digest(spec: "KernelSpec") -> str:
+    """A digest of the Triton code a kernel's census depends on: every jit function and kernel of
+    its module and of ``kernels.scan`` (their shared helper), as code (comments and docstrings do
+    not count). Recorded with the census (``tests/data/ascend_census.json``) so that a test can
+    tell the record is stale."""
+    import ast  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    def code(fn) -> str:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, ast.FunctionDef) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        return ast.unparse(tree)
+    parts = []
+    for name in sorted({spec.kernel().fn.__module__, "megablocks_ascend.kernels.scan"}):
+        module = importlib.import_module(name)
+        for attr in sorted(vars(module)):
+            fn = getattr(getattr(module, attr), "fn", None)
+            if callable(fn) and getattr(fn, "__module__", None) == name:
+                parts.append(f"{name}.{attr}\n{code(fn)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def kernel_params(fn: Callable) -> tuple[list[str], list[str]]:
@@ -123,32 +156,35 @@ ROUTING_KERNELS = (
                _ROW_TILE_E, ("x", "out", "weights"), True,
                lambda p: dict(num_rows=p.rows, num_positions=p.positions, num_experts=p.experts, hidden=p.hidden,
                               capacity=p.capacity)),
-    KernelSpec("_gather_tokens", "gather", dict(_ROUTING, LAYOUT=LAYOUTS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
+    KernelSpec("_gather_tokens", "gather_tokens", dict(_ROUTING, LAYOUT=LAYOUTS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
                _ROW_TILE_E, ("x", "out", "weights"), True,
                lambda p: dict(num_tokens=TOKENS, num_rows=p.rows, num_experts=p.experts, hidden=p.hidden,
-                              capacity=p.capacity), unrolls_top_k=True),
+                              capacity=p.capacity), unrolls_top_k=True, npu_chosen=False),
     KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False,
-               lambda p: dict(num_positions=p.positions, num_experts=p.experts, capacity=p.capacity)),
+               lambda p: dict(num_positions=p.positions, num_experts=p.experts, capacity=p.capacity),
+               inherent_row_stores=lambda axes: 1),  # the inverse of a permutation: one store per position
     KernelSpec("_scatter", "scatter", dict(_ROUTING, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
-               _ROW_TILE, ("y", "out", "weights"), True,
+               _ROW_TILE + ("BLOCK_K", "FLAT"), ("y", "out", "weights"), True,
                lambda p: dict(num_tokens=TOKENS, num_rows=p.positions, hidden=p.hidden), unrolls_top_k=True),
-    KernelSpec("_scatter_one", "gather", dict(_ROUTING, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
-               _ROW_TILE_E, ("y", "out", "weights"), True, _one_slot),
+    KernelSpec("_scatter_one", "scatter_one", dict(_ROUTING, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
+               _ROW_TILE_E, ("y", "out", "weights"), True, _one_slot, npu_chosen=False),
     KernelSpec("_wgrad", "wgrad", dict(_ROUTING, TOP_K=TOP_KS, INT64=BOOLS), _ROW_TILE, ("y", "grad", "out"), True,
                lambda p: dict(num_slots=p.positions, num_rows=p.positions, hidden=p.hidden)),
     KernelSpec("_wgrad_one", "wgrad", dict(_ROUTING, LAYOUT=LAYOUTS, INT64=BOOLS),
-               _ROW_TILE_E, ("y", "grad", "out"), True, _one_slot),
+               _ROW_TILE_E, ("y", "grad", "out"), True, _one_slot, npu_chosen=False),
 )
 
 
 # The routing preparation (kernels/preparation.py): a counting sort of expert ids. Keys are the
 # router's ids (int32 / int64) or, through the megablocks_ops stand-in, the sparse dMoE's int16 block
-# column indices; PLACE=0 is the stand-in's histogram. The tiles come from devices.prep_tile for the
-# problem's expert count (EXPERTS, or --experts) and a grid of PREP_PROGRAMS vector cores. Its
-# scattered stores (a sort places each item at a computed position) are per-element by nature:
-# nothing is gated on them.
+# column indices; PLACE 0 is the stand-in's histogram, 1 the routing preparation, 2 the stand-in's
+# sort. The tiles come from devices.prep_tile for the problem's expert count (EXPERTS, or
+# --experts) and a grid of PREP_PROGRAMS vector cores. Its stores to computed positions (a sort
+# places each item where it belongs) are per element by nature: the census allows them (one per
+# item, two for the sort, which also places the values).
 PREP_INDEX_TYPES = ("i16", "i32", "i64")
 ROUTES = (-1, 0, 1, 2)  # preparation.NO_ROUTE, then routing.DROPLESS, PADDED, BINNED
+PLACES = (0, 1, 2)  # preparation.HISTOGRAM, ROUTING, SORT
 
 
 def prep_block_m(experts: int) -> int:
@@ -158,18 +194,21 @@ def prep_block_m(experts: int) -> int:
 
 
 def _count(p: Problem) -> dict:
+    from megablocks_ascend import devices  # noqa: PLC0415
     block_m = prep_block_m(p.experts)
     chunk = -(-p.positions // (PREP_PROGRAMS * block_m)) * block_m  # items per program, whole tiles
-    return dict(num_items=p.positions, num_keys=p.experts, key_mask=-1, chunk=chunk)
+    block_p = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(p.experts))
+    table_rows = -(-PREP_PROGRAMS // block_p) * block_p  # the count table's rows, whole BLOCK_P tiles
+    return dict(num_items=p.positions, num_keys=p.experts, key_mask=-1, chunk=chunk, table_rows=table_rows)
 
 
 PREPARATION_KERNELS = (
     KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E"), ("keys",), False, _count,
                module="preparation", hot_step="BLOCK_M"),
-    KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=BOOLS, PADDED=BOOLS, ROUTE=ROUTES),
-               ("BLOCK_M", "BLOCK_E", "BLOCK_P"), ("keys",), False,
+    KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=PLACES, PADDED=BOOLS, ROUTE=ROUTES),
+               ("BLOCK_M", "BLOCK_E", "BLOCK_P", "NPU_FORM"), ("keys",), False,
                lambda p: dict(_count(p), block=128, capacity=p.positions // p.experts),
-               module="preparation", hot_step="BLOCK_M"),
+               module="preparation", hot_step="BLOCK_M", inherent_row_stores=lambda axes: axes["PLACE"]),
 )
 
 
