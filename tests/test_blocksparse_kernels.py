@@ -505,7 +505,8 @@ def _valid(dtype=torch.float32):
         out_dds=torch.full((8, n), 7.0, dtype=dtype),
         rows=torch.full((topo.nnz,), 7, dtype=torch.int16),
     )
-    return base
+    # On the test device: the refusals must come before any launch there too, and the valid base runs.
+    return {k: v.to(DEV) for k, v in base.items()}
 
 
 def _sdd(b, **kw):
@@ -544,14 +545,15 @@ def _rows(b, **kw):
 
 def _blocks_of(block, dense):
     """A valid sdd call and a valid dds call on a 2 x 2-block matrix of ``block`` x ``block`` blocks."""
-    t = topology((2 * block, 2 * block), block, [(0, 0), (1, 1)])
-    side = 2 * block
-    sdd = dict(lhs=torch.zeros(side, dense), rhs=torch.zeros(dense, side), shape=t.shape,
-               out=torch.full((t.nnz, block, block), 7.0), offsets=t.offsets, row_indices=t.row_indices,
-               column_indices=t.column_indices)
-    dds = dict(lhs=torch.zeros(dense, side), shape=t.shape, data=torch.zeros(t.nnz, block, block),
+    t = topology((2 * block, 2 * block), block, [(0, 0), (1, 1)]).to(DEV)
+    side, on_dev = 2 * block, dict(device=DEV)
+    sdd = dict(lhs=torch.zeros(side, dense, **on_dev), rhs=torch.zeros(dense, side, **on_dev), shape=t.shape,
+               out=torch.full((t.nnz, block, block), 7.0, **on_dev), offsets=t.offsets,
+               row_indices=t.row_indices, column_indices=t.column_indices)
+    dds = dict(lhs=torch.zeros(dense, side, **on_dev), shape=t.shape,
+               data=torch.zeros(t.nnz, block, block, **on_dev),
                **{k: v for k, v in t.metadata().items() if k != "shape"}, transpose_b=False,
-               out=torch.full((dense, side), 7.0))
+               out=torch.full((dense, side), 7.0, **on_dev))
     return sdd, dds
 
 
