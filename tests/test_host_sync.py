@@ -296,24 +296,31 @@ def test_route_map_lives_on_its_indices_tensor(monkeypatch, device):
     assert ref() is None
 
 
-def test_compiled_graphs_keep_nothing_on_their_tensors(device):
+@pytest.mark.parametrize("stores", ["contiguous", "scattered"])
+def test_compiled_graphs_keep_nothing_on_their_tensors(monkeypatch, device, stores):
     """The custom ops compiled graphs call leave no route map on ``indices`` and no group ends on
     the group sizes: under CUDA-graph trees (``mode="reduce-overhead"``) their warm-up allocates
     from the graph's pool outside a capture, and a tensor kept on a graph tensor would outlive the
     graph untracked ("tensor(s) in the cudagraph pool not tracked as outputs", seen on an H200
-    before this). Eager calls still keep them (the other tests here)."""
-    from megablocks_ascend import library  # noqa: PLC0415
+    before this). Eager calls still keep them (the other tests here). In both forms of the routing
+    kernels: the route map serves the gather in the scattered form, the scatter in the contiguous one."""
+    from megablocks_ascend import envs, library  # noqa: PLC0415
+    monkeypatch.setenv(envs.STORES_VAR, stores)
     indices, bins = _routing_tensors(device)
     x = torch.randn(indices.shape[0] // 2, 16, device=device)
+    rows = torch.randn(indices.shape[0], 16, device=device)
     bin_ids = torch.searchsorted(bins.long(), torch.arange(indices.shape[0], device=device), right=True).int()
+    calls = (("gather", x), ("scatter", rows))
     with megablocks_ascend.use_backend("ascend"):
-        library.OPS["gather"](x, indices, bin_ids, None, bins, 2)
+        for op, inp in calls:
+            library.OPS[op](inp, indices, bin_ids, None, bins, 2)
         assert routing._ROUTE_MAP_ATTR not in indices.__dict__
         with keeping.no_reuse():
             assert not keeping.reuse_allowed(device)
         assert keeping.reuse_allowed(device)
-        megablocks_ascend.backends.KERNELS["gather"](x, indices, bin_ids, None, bins, 2)
-        assert routing._ROUTE_MAP_ATTR in indices.__dict__  # the eager call keeps it
+        for op, inp in calls:
+            megablocks_ascend.backends.KERNELS[op](inp, indices, bin_ids, None, bins, 2)
+        assert routing._ROUTE_MAP_ATTR in indices.__dict__  # the eager calls keep it
     sizes = torch.tensor([3, 5], device=device)
     a, b = torch.randn(8, 16, device=device), torch.randn(2, 16, 8, device=device)
     grouped_gemm._gmm_op(a, b, sizes, False, False)
