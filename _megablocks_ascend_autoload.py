@@ -78,9 +78,54 @@ def parse_flag(raw: str | None) -> bool:
     raise ValueError(f"{AUTOLOAD_VAR}={raw!r}: expected 0 or 1 (0 turns megablocks-ascend's autoload off)")
 
 
+DEFAULT = True  # what an invalid MEGABLOCKS_ASCEND_AUTOLOAD means: the documented default, on
+
+
 def enabled() -> bool:
-    """Whether ``MEGABLOCKS_ASCEND_AUTOLOAD`` lets the hook activate the plugin (default: yes)."""
-    return parse_flag(os.environ.get(AUTOLOAD_VAR))
+    """Whether ``MEGABLOCKS_ASCEND_AUTOLOAD`` lets the hook activate the plugin (default: yes).
+    An invalid value is the default, and warns (once per value)."""
+    raw = os.environ.get(AUTOLOAD_VAR)
+    try:
+        return parse_flag(raw)
+    except ValueError as exc:
+        _warn_once(f"{exc}; taken as the default, 1 (on)", key=("invalid switch", raw))
+        return DEFAULT
+
+
+# ------------------------------------------------------------------------------------------
+# What went wrong, kept for ``doctor`` and said once.
+
+
+class ActivationError(ImportError):
+    """megablocks-ascend could not be activated (its message names the cause and the switch).
+
+    An ``ImportError`` so that a client that imports MegaBlocks inside ``try``/``except ImportError``
+    treats it as MegaBlocks being unavailable, as it would without the plugin."""
+
+
+_failures: list[str] = []  # what failed, in order: "where: ExceptionType: message"
+_warned: set = set()
+
+
+def failures() -> list[str]:
+    """What failed while megablocks-ascend was being loaded or activated in this process."""
+    return list(_failures)
+
+
+def fail(where: str, exc: BaseException) -> None:
+    """Record a failure (``failures()``, ``doctor``)."""
+    _failures.append(f"{where}: {type(exc).__name__}: {exc}")
+    record(f"FAILED {where}: {type(exc).__name__}: {exc}")
+
+
+def _warn_once(message: str, key=None) -> None:
+    key = message if key is None else key
+    if key in _warned:
+        return
+    _warned.add(key)
+    record("warned: " + message)
+    import warnings  # noqa: PLC0415  (standard library; only when there is something to say)
+    warnings.warn(f"megablocks-ascend: {message}", RuntimeWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------
@@ -169,6 +214,12 @@ class Finder:
       ``stk`` itself has finished (:mod:`megablocks_ascend.activation` sets both while it waits).
     * Modules named in :func:`when_imported`: their callbacks, once the module has been imported.
 
+    Threads: CPython imports a module's parent while it holds the module's own import lock, so a
+    thread that imports ``megablocks.ops`` while another executes ``megablocks`` may hold the lock
+    the other needs next (MegaBlocks' own race, docs/notes/activation-safety.md). The activation
+    does not add a cycle of its own: it imports nothing of MegaBlocks or stk while it waits, and
+    :data:`LOCK`, which guards the hook's state, is never held while a module of theirs imports.
+
     It has no effect on ``importlib.util.find_spec``, which finds but does not execute, and leaves
     ``sys.meta_path`` (:meth:`retire_if_idle`) once it has nothing left to do."""
 
@@ -180,7 +231,7 @@ class Finder:
     def find_spec(self, name, path=None, target=None):
         before = after = None
         if name.partition(".")[0] in WATCHED:
-            before = None if self.before is _activate and PACKAGE in sys.modules else self.before
+            before = None if self.before is _activate and active() else self.before
             after = self.after if "." not in name else None
         if name in self.waiting:
             after = _chain(after, self._deliver)
@@ -198,27 +249,58 @@ class Finder:
         return None
 
     def _deliver(self, name: str, succeeded: bool) -> None:
-        if succeeded:  # after a failed import the callbacks wait for the next attempt
-            for callback in self.waiting.pop(name, ()):
-                callback(sys.modules[name])
+        with LOCK:
+            callbacks = self.waiting.pop(name, ()) if succeeded else ()
+        for callback in callbacks:  # after a failed import the callbacks wait for the next attempt
+            callback(sys.modules[name])
         self.retire_if_idle()
 
     def retire_if_idle(self) -> None:
         """Leave ``sys.meta_path`` if there is nothing left to watch for."""
-        inert = self.before is None or (self.before is _activate and PACKAGE in sys.modules)
-        if inert and self.after is None and not self.waiting:
-            while self in sys.meta_path:
-                sys.meta_path.remove(self)
+        with LOCK:
+            inert = self.before is None or (self.before is _activate and active())
+            if inert and self.after is None and not self.waiting:
+                while self in sys.meta_path:
+                    sys.meta_path.remove(self)
 
     def __repr__(self) -> str:
         return f"<{__name__}.Finder: activates megablocks-ascend before {' or '.join(WATCHED)} execute>"
 
 
+# Guards the hook's state (the finder's callbacks, sys.meta_path, what waits for which module) and
+# megablocks_ascend.activation's. Never held while importing a module of MegaBlocks or stk: a thread
+# that wants it may be holding such a module's import lock.
+LOCK = threading.RLock()
+
+
+def active() -> bool:
+    """Whether megablocks_ascend has been imported (in full: not just started, in some thread)."""
+    return PACKAGE in sys.modules and not executing(PACKAGE)
+
+
 def _activate(module: str) -> None:
-    if PACKAGE in sys.modules:
-        return  # activated already, or activating (this import came from megablocks_ascend itself)
-    record(f"activated by the import hook, just before `{module}` executed")
-    __import__(PACKAGE)
+    """Import megablocks_ascend (which activates the plugin) before ``module`` executes.
+
+    In another thread than the one importing megablocks_ascend this waits for that import (its
+    module lock); in the same thread (megablocks_ascend importing MegaBlocks) it returns at once.
+    A failure raises :class:`ActivationError`, which names the plugin, the cause and the switch."""
+    if active():
+        return
+    if PACKAGE not in sys.modules:
+        record(f"activated by the import hook, just before `{module}` executed")
+    try:
+        __import__(PACKAGE)
+    except ActivationError as exc:
+        fail(f"activation before `{module}` executed", exc)
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001  (re-raised, with the plugin and the switch named)
+        fail(f"activation before `{module}` executed", exc)
+        raise ActivationError(
+            f"megablocks-ascend could not be activated before `{module}` executed ({type(exc).__name__}: {exc}). "
+            f"`import {module}` fails until that is fixed; to import it without megablocks-ascend, set "
+            f"{AUTOLOAD_VAR}=0 (`python -m megablocks_ascend doctor` says more).", name=module) from exc
 
 
 FINDER = Finder()
@@ -232,16 +314,40 @@ def when_imported(name: str, callback: Callable) -> None:
     if module is not None and not executing(name):
         callback(module)
         return
-    FINDER.waiting.setdefault(name, []).append(callback)
-    if module is not None:  # executing now: the finder will not see it again
-        watch(module.__spec__, on_end=FINDER._deliver)
-    elif FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, FINDER)
+    with LOCK:
+        FINDER.waiting.setdefault(name, []).append(callback)
+        if module is not None:  # executing now: the finder will not see it again
+            watch(module.__spec__, on_end=FINDER._deliver)
+        elif FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, FINDER)
 
 
 def autoload() -> None:
     """The ``torch.backends`` entry point: runs at the end of ``import torch``. Puts the finder in
-    place unless ``MEGABLOCKS_ASCEND_AUTOLOAD=0``; imports nothing."""
+    place unless ``MEGABLOCKS_ASCEND_AUTOLOAD=0``; imports nothing.
+
+    It never raises: torch turns any exception from an entry point into ``RuntimeError: Failed to
+    load the backend extension`` and ``import torch`` fails, for every program in the environment.
+    A failure here is recorded (``failures()``, ``doctor``) and said once in a warning; torch
+    imports without the hook, and ``import megablocks_ascend`` still activates the plugin."""
+    try:
+        _autoload()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001  (see the docstring)
+        fail("autoload at import torch", exc)
+        _warn_once(f"its autoload failed at `import torch` ({type(exc).__name__}: {exc}); torch is imported "
+                   f"without it, and MegaBlocks runs unpatched unless `import megablocks_ascend` comes first. "
+                   f"Set {AUTOLOAD_VAR}=0 to turn the autoload off; `python -m megablocks_ascend doctor` "
+                   f"shows what happened.", key="autoload")
+
+
+def _autoload() -> None:
+    with LOCK:
+        _install_hook()
+
+
+def _install_hook() -> None:
     if not enabled():
         record(f"autoload off ({AUTOLOAD_VAR}={os.environ.get(AUTOLOAD_VAR)}): the import hook was not installed")
         return

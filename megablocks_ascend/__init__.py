@@ -25,21 +25,29 @@ __version__ = "0.1.0"
 
 from megablocks_ascend import activation  # noqa: E402
 
-activation.prepare()
+try:
+    activation.prepare()
 
-from megablocks_ascend.backends import (  # noqa: E402
-    BACKENDS,
-    BackendUnavailable,
-    last_backend,
-    requested,
-    resolve,
-    trace,
-    use_backend,
-)
-from megablocks_ascend.patching import PatchError, install, installed, uninstall  # noqa: E402
-from megablocks_ascend.validation import BlockSparseArgumentError, RoutingArgumentError  # noqa: E402
+    from megablocks_ascend.backends import (  # noqa: E402
+        BACKENDS,
+        BackendUnavailable,
+        last_backend,
+        requested,
+        resolve,
+        trace,
+        use_backend,
+    )
+    from megablocks_ascend.patching import PatchError, install, installed, uninstall  # noqa: E402
+    from megablocks_ascend.validation import BlockSparseArgumentError, RoutingArgumentError  # noqa: E402
 
-activation.install_patches()
+    activation.install_patches()
+except Exception as _exc:
+    if not activation.doctor_invocation():
+        raise
+    # `python -m megablocks_ascend doctor`: the package is imported before its __main__ runs;
+    # doctor reports the failure (and what to do) instead of a traceback.
+    activation.hook.fail("activation (python -m megablocks_ascend doctor)", _exc)
+    del _exc
 
 __all__ = [
     "BACKENDS",

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"] and not hasattr(sys.modules["megablocks_ascend"], "installed"):
+        # The activation failed (megablocks_ascend/__init__ recorded why): the other subcommands'
+        # modules import torch, which may be what fails; doctor reports without it.
+        from megablocks_ascend.cli import doctor  # noqa: PLC0415
+        return doctor.main(argparse.Namespace(argv=argv))
     args = build_parser().parse_args(argv)
     args.argv = argv  # lets a subcommand start itself again in a fresh process
     return SUBCOMMANDS[args.command].run(args)

@@ -22,6 +22,7 @@ reason, each time it is tried: the plugin never leaves MegaBlocks half-patched.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -59,8 +60,7 @@ def prepare() -> None:
         record("activated by `import megablocks_ascend`")
     has_npu = importlib.util.find_spec("torch_npu") is not None
     if has_npu:
-        import torch_npu  # noqa: F401,PLC0415  (registers torch.npu and the "npu" device)
-        record("torch_npu imported (the npu device is registered)")
+        _import_torch_npu()
     if "TRITON_INTERPRET" in os.environ:
         record(f"Triton interpreter left as found: TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} was set")
     elif "triton" in sys.modules:
@@ -71,6 +71,52 @@ def prepare() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
         record("TRITON_INTERPRET=1 set: no CUDA device and no torch_npu, so Triton runs kernels in its interpreter")
     _prepared = True
+
+
+def _import_torch_npu() -> None:
+    """Import torch_npu (it registers ``torch.npu`` and the ``npu`` device), or raise an
+    :class:`ActivationError` that says which torch_npu failed, why, and what to do."""
+    try:
+        import torch_npu  # noqa: F401,PLC0415
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001  (re-raised with what to do)
+        raise hook.ActivationError(torch_npu_advice(exc)) from exc
+    record("torch_npu imported (the npu device is registered)")
+
+
+def torch_npu_advice(exc: BaseException) -> str:
+    """What to tell the user when ``import torch_npu`` raised ``exc`` (also ``doctor``'s fix)."""
+    try:
+        version = importlib.metadata.version("torch-npu")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(version unknown)"
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 5:  # torch wraps its entry points' errors: say the root cause too
+        chain.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    cause = " <- ".join(dict.fromkeys(chain))
+    if ".so" in cause and ("cannot open shared object" in cause or "libhccl" in cause or "libascend" in cause):
+        cause += (" -- a library of CANN is not found: CANN's environment is not set up in this shell "
+                  "(source CANN's set_env.sh, e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh)")
+    return (f"megablocks-ascend: torch_npu {version} is installed but fails to import ({cause}). On an "
+            f"Ascend machine, set up CANN's environment before starting Python. On a machine without an "
+            f"NPU, uninstall torch-npu (pip uninstall torch-npu): megablocks-ascend then runs on the CPU or "
+            f"CUDA; until then `import torch` itself fails in torch_npu's own autoload unless "
+            f"TORCH_DEVICE_BACKEND_AUTOLOAD=0, and {hook.AUTOLOAD_VAR}=0 keeps MegaBlocks from activating "
+            f"megablocks-ascend.")
+
+
+def doctor_invocation() -> bool:
+    """Whether this process is ``python -m megablocks_ascend doctor``: there a failure to activate
+    is recorded for the report (``hook.failures()``) instead of raised, since the package must be
+    imported before its ``__main__`` runs. Read from ``sys.orig_argv``, the interpreter's own
+    command line."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    for i, arg in enumerate(argv[:-2]):
+        if arg == "-m" and argv[i + 1] == __package__ and argv[i + 2] == "doctor":
+            return True
+    return False
 
 
 def _cuda_available() -> bool:
@@ -94,16 +140,17 @@ def install_patches() -> None:
         _done()
         return
     patching.install_before_import()
-    record(f"patches MegaBlocks and stk need while importing installed; the rest deferred until "
-           f"{' and '.join(busy)} finished importing")
-    for spec in busy.values():
-        hook.watch(spec, on_end=_finished)
-    # Stay on sys.meta_path until then: should the import fail and be tried again, the new
-    # attempt's modules get the same treatment.
-    hook.FINDER.before = _before_import
-    hook.FINDER.after = _finished
-    if hook.FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, hook.FINDER)
+    with hook.LOCK:
+        record(f"patches MegaBlocks and stk need while importing installed; the rest deferred until "
+               f"{' and '.join(busy)} finished importing")
+        for spec in busy.values():
+            hook.watch(spec, on_end=_finished)
+        # Stay on sys.meta_path until then: should the import fail and be tried again, the new
+        # attempt's modules get the same treatment.
+        hook.FINDER.before = _before_import
+        hook.FINDER.after = _finished
+        if hook.FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, hook.FINDER)
 
 
 def _importing() -> dict:
@@ -119,13 +166,25 @@ def _importing() -> dict:
 
 def _before_import(name: str) -> None:
     from megablocks_ascend import patching  # noqa: PLC0415
-    patching.install_before_import()  # a no-op unless a failed attempt took the patches back
+    with hook.LOCK:  # (imports triton and the stand-ins, nothing of MegaBlocks or stk)
+        patching.install_before_import()  # a no-op unless a failed attempt took the patches back
 
 
 def _finished(name: str, succeeded: bool) -> None:
+    # Under the hook's lock: with several threads importing, two of them may finish the last of
+    # MegaBlocks and stk at once. install() imports MegaBlocks' and stk's modules, which have all
+    # finished executing by then (no import lock to wait for), and no other thread asks for the
+    # lock while holding one of theirs: the finder's callbacks are off from here on.
+    with hook.LOCK:
+        _finish(name, succeeded)
+
+
+def _finish(name: str, succeeded: bool) -> None:
     from megablocks_ascend import patching  # noqa: PLC0415
+    if hook.FINDER.after is not _finished:
+        return  # another thread has installed the patches
     if _importing():
-        return  # an outer import (MegaBlocks around stk) is still running
+        return  # an outer import (MegaBlocks around stk), or another thread's, is still running
     if not succeeded:
         record(f"{name} failed to import; the remaining patches wait for the next attempt")
         return
@@ -137,9 +196,10 @@ def _finished(name: str, succeeded: bool) -> None:
         # treatment, and fails the same way, rather than finding it half-patched in sys.modules.
         sys.modules.pop(name, None)
         hook.FINDER.before, hook.FINDER.after = _before_import, _finished
+        hook.fail(f"patching {name} once it had imported", exc)
         record(f"patches could not be installed after {name} imported ({type(exc).__name__}); "
                f"every patch taken back and the import of {name} failed")
-        raise ImportError(
+        raise hook.ActivationError(
             f"megablocks-ascend could not patch {name} ({type(exc).__name__}: {exc}); nothing is patched and "
             f"`import {name}` fails until this is fixed. To use {name} without megablocks-ascend, set "
             f"{hook.AUTOLOAD_VAR}=0.", name=name) from exc
@@ -148,8 +208,9 @@ def _finished(name: str, succeeded: bool) -> None:
 
 
 def _done() -> None:
-    hook.FINDER.before = hook.FINDER.after = None
-    hook.FINDER.retire_if_idle()
+    with hook.LOCK:
+        hook.FINDER.before = hook.FINDER.after = None
+        hook.FINDER.retire_if_idle()
     _warn_about_clients_that_missed_megablocks()
 
 

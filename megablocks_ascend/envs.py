@@ -41,7 +41,9 @@ variable                           default   meaning
                                              ``import megablocks_ascend`` must come before them.
                                              Read at ``import torch``, by
                                              ``_megablocks_ascend_autoload`` (outside the package).
-                                             An invalid value makes ``import torch`` fail.
+                                             An invalid value warns once and means the
+                                             default, ``1``; nothing here makes ``import
+                                             torch`` fail (README, troubleshooting).
 ``TORCH_DEVICE_BACKEND_AUTOLOAD``  ``1``     torch's own switch: ``0`` turns off every
                                              ``torch.backends`` entry point (ours and torch_npu's).
 ``TRITON_INTERPRET``               unset     Triton's own switch. megablocks-ascend sets it to

@@ -230,10 +230,11 @@ def test_autoload_off_leaves_upstream_alone_until_the_plugin_is_imported(dist_di
     assert "activated by `import megablocks_ascend`" in out and "activated by the import hook" not in out
 
 
-def test_an_invalid_autoload_value_fails_import_torch_naming_the_variable(dist_dir):
-    r = run("import torch", dist_dir, **{hook.AUTOLOAD_VAR: "sometimes"})
-    assert r.returncode != 0
-    assert "MEGABLOCKS_ASCEND_AUTOLOAD='sometimes': expected 0 or 1" in r.stderr
+def test_an_invalid_autoload_value_warns_and_import_torch_goes_on(dist_dir):
+    """(It used to make `import torch` fail; tests/test_activation_faults.py has the rest.)"""
+    r = run("import torch, megablocks; print('ok')", dist_dir, **{hook.AUTOLOAD_VAR: "sometimes"})
+    assert r.returncode == 0, r.stderr
+    assert "MEGABLOCKS_ASCEND_AUTOLOAD='sometimes': expected 0 or 1" in r.stderr and "ok" in r.stdout
 
 
 def test_a_client_that_swallowed_the_error_with_autoload_off_is_warned_about(dist_dir, tmp_path):

@@ -35,6 +35,21 @@ def test_doctor_reports_backends_versions_and_patches():
     assert "- activated by `import megablocks_ascend`" in r.stdout
 
 
+def test_doctor_lists_the_tested_pairs_that_readme_and_bootstrap_name():
+    """doctor's pairs, README's "Supported versions" and bootstrap's points say the same."""
+    import re
+    text = "\n".join(doctor.report())
+    readme = (ROOT / "README.md").read_text()
+    bootstrap = (ROOT / "tools" / "bootstrap.sh").read_text()
+    for pair, _ in doctor.TESTED:
+        assert pair in text
+    for point in ("current", "torch27", "newest"):
+        torch_v, triton_v = re.search(rf'^    {point}\) .*torch_spec="torch==([\d.]+)"; '
+                                      rf'triton_spec="triton==([\d.]+)"', bootstrap, re.M).groups()
+        assert f"torch {torch_v} + Triton {triton_v}" in text
+        assert re.search(rf"^\| {re.escape(torch_v)} \(.*\) \+ Triton {re.escape(triton_v)} \|", readme, re.M), point
+
+
 def test_selftest_passes_on_cpu_and_fails_on_a_broken_kernel(monkeypatch, capsys):
     assert selftest.run(torch.device("cpu"), dtypes=(torch.float32,)) == 0
     assert "passed" in capsys.readouterr().out

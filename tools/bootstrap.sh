@@ -4,13 +4,16 @@
 # package, and the test tools.
 #
 # Usage: tools/bootstrap.sh [POINT]
-#   current    (default) .venv             torch 2.13.0 + triton 3.9.0
+#   current    (default) .venv             torch 2.14.0 + triton 3.8.0: torch_npu 2.14.0's exact torch
+#                                          (PyPI's wheel is a CUDA build, ~3 GB with its NVIDIA
+#                                          libraries; it runs on a CPU machine)
 #   torch27              .venv-torch27     torch 2.7.1 + triton 3.3.1: the torch that torch_npu 2.7.1
-#                                          pairs with (PyPI's wheel is a CUDA build, ~3.3 GB with its
-#                                          NVIDIA libraries; it runs on a CPU machine)
-#   llmfoundry           .venv-llmfoundry  current's set plus LLM Foundry 0.22.0 (README.md, "Using
-#                                          with LLM Foundry"), and a torchvision stand-in where no
-#                                          torchvision importable beside this torch is installed
+#                                          pairs with (a CUDA build as well)
+#   newest               .venv-newest      torch 2.15.0 + triton 3.9.0: the newest torch on PyPI
+#   llmfoundry           .venv-llmfoundry  torch 2.13.0 (CPU wheel) + triton 3.9.0 plus LLM Foundry
+#                                          0.22.0 (README.md, "Using with LLM Foundry"), and a
+#                                          torchvision stand-in where no torchvision importable
+#                                          beside this torch is installed
 # CI (.ci/run) tests every point; README.md ("Supported versions") says what each covers.
 #
 # MegaBlocks 0.10.0 is an sdist whose build imports torch and whose metadata pins torch<2.7.1
@@ -21,6 +24,17 @@
 # `pip check` is run and every unmet requirement that is not one of these known pins is printed.
 # Without CUDA, MegaBlocks' extension is simply not built; megablocks_ascend stands in for it.
 #
+# Each torch release built for CUDA requires its own Triton (torch 2.14.x: triton~=3.8.0; 2.15.0:
+# triton~=3.9.0; 2.7.1: triton==3.3.1), and pip refuses a pair that does not match. So when only
+# TORCH_SPEC is overridden, the Triton is the one that torch's own metadata requires (read with
+# `pip install --dry-run --no-deps --report`, which fetches metadata, not the wheel); a torch that
+# requires none (a CPU build) gets the point's Triton.
+#
+# pip's configuration may carry constraint files (`constraint = ...` in a pip.conf) that cap torch
+# below the point's; then the resolver says "The user requested (constraint) torch<=...". Where the
+# dry run shows that, this script says so and installs this venv with PIP_CONSTRAINT=/dev/null,
+# which replaces the configured constraint files for its pip commands only (nothing is removed).
+#
 # Env: PYTHON (default python3); VENV, TORCH_SPEC, TRITON_SPEC override the point's venv path,
 #      torch requirement and triton requirement (where pip would fetch a CUDA build of torch you do
 #      not want, point pip at PyTorch's CPU wheel index with PIP_EXTRA_INDEX_URL).
@@ -29,27 +43,34 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 POINT="${1:-current}"
 case "$POINT" in
-    current) venv="$ROOT/.venv"; torch_spec="torch==2.13.0"; triton_spec="triton==3.9.0" ;;
+    current) venv="$ROOT/.venv"; torch_spec="torch==2.14.0"; triton_spec="triton==3.8.0" ;;
     torch27) venv="$ROOT/.venv-torch27"; torch_spec="torch==2.7.1"; triton_spec="triton==3.3.1" ;;
+    newest) venv="$ROOT/.venv-newest"; torch_spec="torch==2.15.0"; triton_spec="triton==3.9.0" ;;
     llmfoundry) venv="$ROOT/.venv-llmfoundry"; torch_spec="torch==2.13.0"; triton_spec="triton==3.9.0" ;;
-    *) echo "bootstrap: unknown point '$POINT' (expected: current, torch27, llmfoundry)" >&2; exit 2 ;;
+    *) echo "bootstrap: unknown point '$POINT' (expected: current, torch27, newest, llmfoundry)" >&2; exit 2 ;;
 esac
 VENV="${VENV:-$venv}"
 PYTHON="${PYTHON:-python3}"
+# Only the torch overridden: its Triton is decided below, from torch's metadata.
+triton_from_torch=0
+if [[ -n "${TORCH_SPEC:-}" && -z "${TRITON_SPEC:-}" ]]; then triton_from_torch=1; fi
 TORCH_SPEC="${TORCH_SPEC:-$torch_spec}"
 TRITON_SPEC="${TRITON_SPEC:-$triton_spec}"
 TOOLS=(numpy packaging "pytest>=8" "pytest-xdist>=3" "hypothesis>=6" absl-py matplotlib)
 UPSTREAM=(megablocks==0.10.0 stanford-stk==0.7.1)
 LLMFOUNDRY=(llm-foundry==0.22.0 mosaicml==0.32.1 mosaicml-streaming==0.12.0)
-REQS=("$TORCH_SPEC" "$TRITON_SPEC" "${TOOLS[@]}" "${UPSTREAM[@]}")
 STAMP="$VENV/.megablocks-ascend-reqs"
-WANT="${REQS[*]} $(cksum < "$ROOT/pyproject.toml")"
-if [[ "$POINT" == llmfoundry ]]; then
-    REQS+=("${LLMFOUNDRY[@]}")
-    WANT="${REQS[*]} $(cat "$ROOT/pyproject.toml" "$ROOT/examples/requirements-llmfoundry.txt" | cksum)"
-fi
+want() {  # what the stamp records: the requirements and the files that shape the venv
+    REQS=("$TORCH_SPEC" "$TRITON_SPEC" "${TOOLS[@]}" "${UPSTREAM[@]}")
+    WANT="${REQS[*]} $(cksum < "$ROOT/pyproject.toml")"
+    if [[ "$POINT" == llmfoundry ]]; then
+        REQS+=("${LLMFOUNDRY[@]}")
+        WANT="${REQS[*]} $(cat "$ROOT/pyproject.toml" "$ROOT/examples/requirements-llmfoundry.txt" | cksum)"
+    fi
+}
+want
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+if [[ $triton_from_torch -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
     echo "bootstrap: $VENV is up to date" >&2
     exit 0
 fi
@@ -62,6 +83,57 @@ pip=("$py" -m pip --disable-pip-version-check --quiet)
 started=$SECONDS
 say() { echo "bootstrap: $*"; }
 versions() { "$py" -c 'import sys, importlib.metadata as m; print(", ".join(f"{d} {m.version(d)}" for d in sys.argv[1:]))' "$@"; }
+
+# What this torch requires of Triton, and whether pip's configuration caps it (see the header).
+# Prints the Triton requirement (empty if none) and exits 3 where a configured constraint refused.
+torch_meta() {
+    local report errors rc=0
+    report="$(mktemp)"; errors="$(mktemp)"
+    # (not --quiet: with it pip leaves out the line that names a constraint)
+    if ! "$py" -m pip --disable-pip-version-check install --dry-run --no-deps --ignore-installed \
+            --report "$report" "$TORCH_SPEC" >"$errors" 2>&1; then
+        if grep -q "(constraint)" "$errors"; then rc=3; else cat "$errors" >&2; rc=1; fi
+    else
+        # Markers are evaluated by the packaging that pip vendors (the venv may have none yet).
+        "$py" -c '
+import json, sys
+from pip._vendor.packaging.requirements import Requirement
+for item in json.load(open(sys.argv[1]))["install"]:
+    meta = item["metadata"]
+    if meta["name"].lower() != "torch":
+        continue
+    for text in meta.get("requires_dist") or []:
+        req = Requirement(text)
+        if req.name == "triton" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            print(f"triton{req.specifier}")' "$report" || rc=1
+    fi
+    rm -f "$report" "$errors"
+    return $rc
+}
+set +e
+torch_triton="$(torch_meta)"
+rc=$?
+set -e
+if [[ $rc -eq 3 ]]; then
+    say "pip's configuration constrains torch below $TORCH_SPEC (a constraint file named in pip.conf); installing this venv with PIP_CONSTRAINT=/dev/null, which sets those constraint files aside for its pip commands"
+    export PIP_CONSTRAINT=/dev/null
+    torch_triton="$(torch_meta)"
+elif [[ $rc -ne 0 ]]; then
+    say "pip cannot resolve $TORCH_SPEC (above)"; exit 1
+fi
+if [[ $triton_from_torch -eq 1 ]]; then
+    if [[ -n "$torch_triton" ]]; then
+        TRITON_SPEC="$torch_triton"
+        say "TORCH_SPEC=$TORCH_SPEC alone: taking the Triton that torch requires, $TRITON_SPEC"
+    else
+        say "TORCH_SPEC=$TORCH_SPEC requires no Triton (a CPU build): taking the point's, $TRITON_SPEC"
+    fi
+    want
+    if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+        say "$VENV is up to date"
+        exit 0
+    fi
+fi
 
 # 1. torch, triton and the test tools. --no-build-isolation (below) builds with what the venv has:
 # make sure it has a setuptools that can build wheels itself (>= 70.1). Venvs of Python 3.12 and

@@ -8,7 +8,21 @@ import importlib.util
 import os
 import sys
 
-import torch
+# The pairs CI and the H200 run (README.md, "Supported versions"; tools/bootstrap.sh's points).
+TESTED = [
+    ("torch 2.14.0 + Triton 3.8.0", "CI, CPU: the whole suite (current point); torch_npu 2.14.0's torch"),
+    ("torch 2.7.1 + Triton 3.3.1", "CI, CPU: the whole suite (torch27 point); torch_npu 2.7.1's torch, "
+                                   "which triton-ascend 3.2.0 is documented with"),
+    ("torch 2.15.0 + Triton 3.9.0", "CI, CPU: part of the suite (newest point, .ci/run says which)"),
+    ("torch 2.13.0 + Triton 3.9.0 + LLM Foundry 0.22.0", "CI, CPU: LLM Foundry's tests"),
+    ("torch 2.13.0 + triton-ascend 3.2.0 + ascendnpu-ir 1.2.0", "CI, CPU: doctor and the compile gate (no NPU)"),
+    ("torch 2.11 + Triton 3.6.0", "NVIDIA H200: benchmarks and device tests"),
+    ("torch_npu 2.14.0 or 2.7.1 + triton-ascend 3.2.0 on an NPU", "not run (no NPU)"),
+]
+NO_CANN = ("torch_npu installed where CANN's environment is not set up (or on a machine without an NPU): "
+           "`import torch` fails in torch_npu's own autoload (libhccl.so not found) unless "
+           "TORCH_DEVICE_BACKEND_AUTOLOAD=0; megablocks-ascend's activation then fails naming torch_npu. "
+           "Source CANN's set_env.sh, or without an NPU uninstall torch-npu.")
 
 
 def _version(dist: str) -> str | None:
@@ -18,15 +32,38 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def report() -> list[str]:
-    import megablocks_ascend  # noqa: PLC0415
-    from megablocks_ascend import backends, compat, envs, patching  # noqa: PLC0415
-
+def _versions() -> list[str]:
     lines = ["versions:"]
     for dist in ("megablocks-ascend", "torch", "torch_npu", "triton", "triton-ascend", "megablocks",
                  "stanford-stk", "grouped_gemm"):
         lines.append(f"  {dist:18} {_version(dist) or '-'}")
     lines.append(f"  {'python':18} {sys.version.split()[0]}")
+    lines += ["tested pairs:"] + [f"  {pair:58} {where}" for pair, where in TESTED]
+    return lines
+
+
+def _not_activated(failures: list[str]) -> list[str]:
+    """The report when megablocks-ascend could not be activated in this process (e.g. torch_npu
+    fails to import): what is known without torch, and what to fix."""
+    lines = _versions() + [""] + activation_report()
+    lines += ["", "megablocks-ascend is not active in this process, so nothing else can be checked.", "",
+              "to fix:"] + [f"  - {f}" for f in failures]
+    if _version("torch_npu"):
+        lines.append(f"  - ({NO_CANN})")
+    return lines
+
+
+def report() -> list[str]:
+    import _megablocks_ascend_autoload as hook  # noqa: PLC0415
+    import megablocks_ascend  # noqa: PLC0415
+
+    if not hasattr(megablocks_ascend, "installed"):  # its activation failed (doctor_invocation)
+        return _not_activated(hook.failures())
+    import torch  # noqa: PLC0415
+
+    from megablocks_ascend import backends, compat, envs, patching  # noqa: PLC0415
+
+    lines = _versions()
 
     flavour = "triton-ascend" if compat.is_triton_ascend() else "standard triton"
     interp = compat.interpreter_active()
@@ -42,7 +79,7 @@ def report() -> list[str]:
     lines += ["", f"MEGABLOCKS_BACKEND={backends.requested()} (valid: {', '.join(envs.BACKENDS)}); "
                   f"sync checks {'on' if envs.checks_enabled() else 'off'} ({envs.CHECKS_VAR})",
               "routing backend per device type:"]
-    fixes = []
+    fixes = [f"megablocks-ascend: {f}" for f in hook.failures()]
     for dev, present in devices.items():
         try:
             chosen = backends.resolve(torch.device(dev) if dev != "npu" else _NpuDevice())
@@ -102,12 +139,17 @@ def activation_report() -> list[str]:
     import _megablocks_ascend_autoload as hook  # noqa: PLC0415
     ours = [ep for ep in importlib.metadata.entry_points(group="torch.backends") if ep.name == "megablocks_ascend"]
     torch_autoload = os.environ.get(hook.TORCH_AUTOLOAD_VAR, "1") == "1"
+    try:
+        hook.parse_flag(os.environ.get(hook.AUTOLOAD_VAR))
+        invalid = ""
+    except ValueError:
+        invalid = " -- not a valid value: taken as the default, on"
     lines = ["activation:",
              f"  torch.backends entry point: {ours[0].value if ours else 'not registered (the package is on the path but not installed: pip install -e .)'}",
              f"  torch's autoload: {'on' if torch_autoload else 'off'} ({hook.TORCH_AUTOLOAD_VAR}="
              f"{os.environ.get(hook.TORCH_AUTOLOAD_VAR, 'unset')}); "
              f"megablocks-ascend's: {'on' if hook.enabled() else 'off'} ({hook.AUTOLOAD_VAR}="
-             f"{os.environ.get(hook.AUTOLOAD_VAR, 'unset')})"]
+             f"{os.environ.get(hook.AUTOLOAD_VAR, 'unset')}{invalid})"]
     lines += [f"  - {event}" for event in hook.events()]
     return lines
 

@@ -1,0 +1,160 @@
+"""Faults at activation, each injected for real in a fresh process: ``import torch`` must survive
+every one that megablocks-ascend can catch, and the user must be told what happened and what to do.
+
+* an invalid ``MEGABLOCKS_ASCEND_AUTOLOAD``; an exception inside the entry point (another library
+  left ``sys.meta_path`` a tuple);
+* a torch_npu that fails to import (a package on the path raising the linker error torch_npu
+  raises where CANN's environment is not set up), with and without its own entry point;
+* the stale editable install (entry point present, hook module gone), which torch itself turns
+  into an error before any code of ours runs: README's troubleshooting quotes its message;
+* three threads importing MegaBlocks and stk at once (docs/notes/activation-safety.md).
+"""
+
+import sysconfig
+
+import pytest
+
+import fresh_process as fp
+
+HCCL = "libhccl.so: cannot open shared object file: No such file or directory"
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    return fp.ours(tmp_path_factory.mktemp("dist"))
+
+
+def broken_torch_npu(where, entry_point=False):
+    """A torch_npu 2.14.0 that raises what the real one raises without CANN's libraries."""
+    pkg = where / "torch_npu"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(f"raise ImportError({HCCL!r})\n")
+    (pkg / "autoload.py").write_text("import torch_npu\ndef _autoload():\n    pass\n")
+    fp.fake_distribution(where, "torch-npu", "2.14.0",
+                         {"torch_npu": "torch_npu.autoload:_autoload"} if entry_point else None)
+    return where
+
+
+def test_an_invalid_switch_warns_once_and_means_on(dist):
+    r = fp.run("""
+        import sys, torch, _megablocks_ascend_autoload as hook
+        print("hooked", hook.FINDER in sys.meta_path, "enabled", hook.enabled(), hook.enabled())
+    """, path=[dist], env={"MEGABLOCKS_ASCEND_AUTOLOAD": "sometimes"})
+    assert r.returncode == 0, r.stderr
+    assert "hooked True enabled True True" in r.stdout
+    warning = ("RuntimeWarning: megablocks-ascend: MEGABLOCKS_ASCEND_AUTOLOAD='sometimes': expected 0 or 1 "
+               "(0 turns megablocks-ascend's autoload off); taken as the default, 1 (on)")
+    assert r.stderr.count(warning) == 1, r.stderr
+
+
+def test_an_exception_in_the_entry_point_leaves_import_torch_working_and_is_reported(dist):
+    r = fp.run("""
+        import sys
+        sys.meta_path = tuple(sys.meta_path)  # what another library might leave behind
+        import torch
+        sys.meta_path = list(sys.meta_path)
+        import _megablocks_ascend_autoload as hook
+        print("torch", torch.__version__.split("+")[0], "failures", hook.failures())
+        import megablocks_ascend, megablocks  # the explicit import still activates the plugin
+        from megablocks_ascend.cli import doctor
+        print("\\n".join(doctor.report()))
+    """, path=[dist])
+    assert r.returncode == 0, r.stderr
+    assert "failures [\"autoload at import torch: AttributeError: 'tuple' object has no attribute 'insert'\"]" \
+        in r.stdout
+    assert r.stderr.count("RuntimeWarning: megablocks-ascend: its autoload failed at `import torch` "
+                          "(AttributeError") == 1, r.stderr
+    assert "Set MEGABLOCKS_ASCEND_AUTOLOAD=0 to turn the autoload off" in r.stderr
+    assert "Failed to load the backend extension" not in r.stderr
+    assert "to fix:\n  - megablocks-ascend: autoload at import torch: AttributeError" in r.stdout
+    assert "patches installed: True" in r.stdout
+
+
+@pytest.mark.parametrize("first", ["megablocks", "megablocks_ascend"])
+def test_a_torch_npu_that_fails_to_import_is_named_with_what_to_do(dist, tmp_path, first):
+    r = fp.run(f"""
+        import torch
+        print("torch imported")
+        try:
+            import {first}
+        except ImportError as e:
+            print("ERROR", type(e).__name__, e)
+    """, path=[dist, broken_torch_npu(tmp_path)])
+    assert r.returncode == 0, r.stderr
+    assert "torch imported" in r.stdout
+    out = r.stdout.split("ERROR", 1)[1]
+    assert "ActivationError megablocks-ascend: torch_npu 2.14.0 is installed but fails to import" in out
+    assert HCCL in out and "CANN's environment is not set up" in out and "set_env.sh" in out
+    assert "pip uninstall torch-npu" in out and "MEGABLOCKS_ASCEND_AUTOLOAD=0" in out
+
+
+def test_doctor_reports_a_broken_torch_npu_instead_of_crashing(dist, tmp_path):
+    """torch_npu with its own entry point, CANN not set up: `import torch` itself fails in
+    torch_npu's autoload unless TORCH_DEVICE_BACKEND_AUTOLOAD=0; doctor reports both cases."""
+    path = [dist, broken_torch_npu(tmp_path, entry_point=True)]
+    plain = fp.run("import torch", path=path)
+    assert plain.returncode != 0 and "Failed to load the backend extension: torch_npu" in plain.stderr
+    for env in ({}, {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}):
+        r = fp.run(args=["-m", "megablocks_ascend", "doctor"], path=path, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+        assert "megablocks-ascend is not active in this process" in r.stdout
+        fixes = r.stdout.split("to fix:", 1)[1]
+        assert "torch_npu 2.14.0 is installed but fails to import" in fixes and HCCL in fixes
+        assert "tested pairs:" in r.stdout and "torch 2.14.0 + Triton 3.8.0" in r.stdout
+
+
+def test_the_stale_editable_install_message_is_the_one_readme_quotes(tmp_path):
+    """Entry point installed, hook module gone (an editable install whose checkout moved): torch
+    raises before any code of ours runs. Reproduced with `python -S` (no .pth files, so no
+    editable finder) and site-packages on the path; TORCH_DEVICE_BACKEND_AUTOLOAD=0 gets through."""
+    dist = fp.ours(tmp_path / "dist")
+    path = [dist, sysconfig.get_paths()["purelib"]]
+    r = fp.run(args=["-S", "-c", "import torch"], path=path, checkout=False, cwd=tmp_path)
+    assert r.returncode != 0
+    message = "RuntimeError: Failed to load the backend extension: megablocks_ascend."
+    assert message in r.stderr and "No module named '_megablocks_ascend_autoload'" in r.stderr
+    readme = (fp.ROOT / "README.md").read_text()
+    assert message in readme and "No module named '_megablocks_ascend_autoload'" in readme
+    ok = fp.run(args=["-S", "-c", "import torch"], path=path, checkout=False, cwd=tmp_path,
+                env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert ok.returncode == 0, ok.stderr
+
+
+RACE = """
+    import importlib, sys, threading, torch
+    errors, barrier = [], threading.Barrier(3)
+    def imp(name):
+        barrier.wait()
+        try:
+            importlib.import_module(name)
+        except BaseException as e:
+            errors.append(f"{name}: {type(e).__name__}")
+    threads = [threading.Thread(target=imp, args=(n,))
+               for n in ("megablocks.layers.dmoe", "stk.ops", "megablocks.ops")]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    import megablocks_ascend
+    print("errors", errors, "patched", megablocks_ascend.installed())
+"""
+
+
+def test_threads_importing_after_the_main_thread_imported_megablocks_find_it_patched(dist):
+    """The safe pattern (README, troubleshooting): import MegaBlocks once before starting threads."""
+    r = fp.run("import megablocks\n" + RACE.replace("\n    ", "\n"), path=[dist])
+    assert r.returncode == 0, r.stderr
+    assert "errors [] patched True" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="MegaBlocks' package imports its own submodules while CPython holds a "
+                          "submodule's lock in the other thread; the activation, inside that import, "
+                          "makes the race certain (docs/notes/activation-safety.md)", strict=False)
+def test_three_threads_importing_megablocks_and_stk_at_once(dist):
+    deadlocks = 0
+    for _ in range(3):
+        r = fp.run(RACE, path=[dist])
+        assert r.returncode == 0, r.stderr
+        assert "patched True" in r.stdout
+        deadlocks += "_DeadlockError" in r.stdout
+    assert deadlocks == 0
