@@ -29,6 +29,10 @@ all of torch's entry points, torch_npu's included); then ``import megablocks_asc
 MegaBlocks activates the plugin, as it always did. :func:`events` records how the plugin was
 activated; ``python -m megablocks_ascend doctor`` prints it.
 
+The third, :func:`install_import_order`, is for threads: it makes a thread import a module's parent
+package before it takes the module's own import lock, where CPython takes them the other way round,
+for the modules of MegaBlocks and stk (see that function).
+
 The second mechanism here, :func:`watch`, tells when a module starts and when it finishes
 executing. CPython's import system (``importlib._bootstrap._load_unlocked``, the same in
 Python 3.11, 3.12 and 3.13) sets ``spec._initializing = True`` on a module's spec just before it
@@ -43,6 +47,7 @@ still executing when ``import torch`` runs this hook).
 
 from __future__ import annotations
 
+import importlib._bootstrap  # the import system's own functions (install_import_order)
 import importlib.machinery
 import os
 import sys
@@ -214,11 +219,11 @@ class Finder:
       ``stk`` itself has finished (:mod:`megablocks_ascend.activation` sets both while it waits).
     * Modules named in :func:`when_imported`: their callbacks, once the module has been imported.
 
-    Threads: CPython imports a module's parent while it holds the module's own import lock, so a
-    thread that imports ``megablocks.ops`` while another executes ``megablocks`` may hold the lock
-    the other needs next (MegaBlocks' own race, docs/notes/activation-safety.md). The activation
-    does not add a cycle of its own: it imports nothing of MegaBlocks or stk while it waits, and
-    :data:`LOCK`, which guards the hook's state, is never held while a module of theirs imports.
+    Threads: :func:`install_import_order` (put in place with the finder) keeps threads that import
+    MegaBlocks and stk at once from taking their import locks in opposite orders. The activation
+    adds no cycle of its own: it imports nothing of MegaBlocks or stk while it waits, and
+    :data:`LOCK`, which guards the hook's state, is never held while a module of theirs imports
+    in another thread that waits for it.
 
     It has no effect on ``importlib.util.find_spec``, which finds but does not execute, and leaves
     ``sys.meta_path`` (:meth:`retire_if_idle`) once it has nothing left to do."""
@@ -351,6 +356,7 @@ def _install_hook() -> None:
     if not enabled():
         record(f"autoload off ({AUTOLOAD_VAR}={os.environ.get(AUTOLOAD_VAR)}): the import hook was not installed")
         return
+    install_import_order()
     if FINDER in sys.meta_path:
         return
     if PACKAGE in sys.modules:
@@ -360,3 +366,111 @@ def _install_hook() -> None:
     busy = [name for name in WATCHED if executing(name)]
     record("import hook installed by torch's 'torch.backends' entry point (import torch)"
            + (f", while {' and '.join(busy)} {'was' if len(busy) == 1 else 'were'} importing" if busy else ""))
+
+
+# ------------------------------------------------------------------------------------------
+# Import order for several threads.
+
+_ORDERED = "_megablocks_ascend_import_order"  # marks the wrapper (a second install finds it)
+_in_flight = threading.local()  # .names: MegaBlocks/stk modules this thread imports through the wrapper
+
+#: Called by the wrapper as ``after_import(name, succeeded)`` once this thread's import of
+#: ``megablocks`` or ``stk`` itself has returned or raised (the thread holds no import lock of that
+#: module then); set by :mod:`megablocks_ascend.activation` while patches wait for those imports.
+after_import: Callable[[str, bool], None] | None = None
+
+
+def install_import_order() -> bool:
+    """Make every thread import a module of MegaBlocks or stk only once its parent package has been
+    imported, and has finished executing, holding no import lock of the module itself.
+
+    Why: CPython's ``importlib._bootstrap._find_and_load`` takes the lock of ``megablocks.ops``
+    first and then imports ``megablocks``; ``megablocks/__init__`` imports ``megablocks.layers``,
+    whose modules import ``megablocks.ops``. A thread importing ``megablocks.ops`` while another
+    imports ``megablocks.layers.dmoe`` may each hold the lock the other needs, and CPython raises
+    ``_DeadlockError`` in one of them (docs/notes/activation-safety.md). Parent first, and a parent
+    that another thread is executing waited for, every thread takes the locks of one package's
+    modules from the outside in, so those cycles cannot form.
+
+    How: ``_find_and_load`` is the function that both ``import`` statements (from C, looked up on
+    ``importlib._bootstrap`` at every call) and ``importlib.import_module`` call for a module that
+    is not yet in ``sys.modules`` (or is still executing); it is replaced by a wrapper that, for
+    modules of MegaBlocks and stk only, imports the parent first (a parent another thread is
+    executing is waited for with CPython's own ``_lock_unlock_module``, which gives up, as CPython
+    does, on a cycle it detects) and then calls the original. Other modules go straight through,
+    at the cost of one string split per module loaded. The wrapper is installed only where
+    ``_find_and_load`` has the signature ``(name, import_)`` (CPython 3.11 to 3.13) and
+    ``_lock_unlock_module`` exists; elsewhere nothing is changed, the reason is recorded, and False
+    returned (``doctor`` shows it). Idempotent; returns whether the wrapper is in place."""
+    with LOCK:
+        current = importlib._bootstrap._find_and_load
+        if getattr(current, _ORDERED, False):
+            return True
+        code = getattr(current, "__code__", None)
+        signature = code.co_varnames[:code.co_argcount] if code is not None else None
+        wait = getattr(importlib._bootstrap, "_lock_unlock_module", None)
+        if signature != ("name", "import_") or not callable(wait):
+            record(f"import order for threads not installed: this Python's importlib._bootstrap._find_and_load "
+                   f"has the signature {signature} (expected ('name', 'import_')); import MegaBlocks before "
+                   f"starting threads that import it")
+            return False
+        importlib._bootstrap._find_and_load = _ordered(current, wait)
+        record("import order for threads installed: modules of megablocks and stk import their parent first")
+        return True
+
+
+def _ordered(find_and_load, wait):
+    def _find_and_load(name, import_):
+        top, dot, _ = name.partition(".")
+        if top not in WATCHED:
+            return find_and_load(name, import_)
+        if FINDER.before is _activate and FINDER in sys.meta_path and not active() and _installed(top):
+            # Activate here, holding no import lock of MegaBlocks or stk: a thread importing
+            # megablocks_ascend itself (which imports MegaBlocks) is then waited for without a cycle.
+            _activate(name)
+        if dot:
+            parent = name.rpartition(".")[0]
+            module = sys.modules.get(parent, _ABSENT)
+            if module is _ABSENT:
+                import_(parent)
+            elif getattr(getattr(module, "__spec__", None), "_initializing", False):
+                wait(parent)  # another thread executes it: wait until it has finished (in this one: at once)
+        names = _in_flight.__dict__.setdefault("names", [])
+        names.append(name)
+        try:
+            module = find_and_load(name, import_)
+        except BaseException:
+            names.pop()
+            if not dot and after_import is not None:
+                after_import(name, False)
+            raise
+        names.pop()
+        if not dot and after_import is not None:
+            after_import(name, True)
+        return module
+
+    setattr(_find_and_load, _ORDERED, True)
+    _find_and_load.__wrapped__ = find_and_load
+    return _find_and_load
+
+
+_ABSENT = object()
+_found: set = set()  # the watched packages found installed (a package found stays so)
+
+
+def _installed(top: str) -> bool:
+    """Whether package ``top`` can be imported (so that a failed ``import megablocks`` where it is
+    not installed does not activate the plugin). Asks the finders after the hook's, as it does."""
+    if top not in _found:
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not FINDER else None
+            if find is not None and find(top, None, None) is not None:
+                _found.add(top)
+                break
+    return top in _found
+
+
+def importing_in_order(name: str) -> bool:
+    """Whether this thread is importing ``name`` through the import-order wrapper (which then calls
+    :data:`after_import` once that import has returned)."""
+    return name in getattr(_in_flight, "names", ())

@@ -129,6 +129,7 @@ def install_patches() -> None:
     patches they need while importing now and the rest once they have finished (module docstring)."""
     from megablocks_ascend import patching  # noqa: PLC0415
 
+    hook.install_import_order()  # (with the autoload off too: MegaBlocks' own race between threads)
     if importlib.util.find_spec("megablocks") is None:
         record("MegaBlocks is not installed: nothing patched")
         _done()
@@ -149,6 +150,7 @@ def install_patches() -> None:
         # attempt's modules get the same treatment.
         hook.FINDER.before = _before_import
         hook.FINDER.after = _finished
+        hook.after_import = _finished  # (an import through the import-order wrapper: once it returned)
         if hook.FINDER not in sys.meta_path:
             sys.meta_path.insert(0, hook.FINDER)
 
@@ -166,11 +168,19 @@ def _importing() -> dict:
 
 def _before_import(name: str) -> None:
     from megablocks_ascend import patching  # noqa: PLC0415
+    if all(patch.applied for patch in patching.PATCHES if not patch.needs_megablocks):
+        return  # the usual case; without the lock, which a thread finishing the patches may hold
     with hook.LOCK:  # (imports triton and the stand-ins, nothing of MegaBlocks or stk)
-        patching.install_before_import()  # a no-op unless a failed attempt took the patches back
+        patching.install_before_import()  # after a failed attempt took the patches back
 
 
 def _finished(name: str, succeeded: bool) -> None:
+    # Called when `name` (megablocks or stk) has finished importing: by the import-order wrapper
+    # once the import returned, or, for an import that did not go through it (it began before
+    # `import torch` installed the wrapper), at the end of the module's execution, still inside its
+    # import lock. The first is the one that is safe with several threads: skip the second then.
+    if hook.importing_in_order(name) and hook.after_import is _finished:
+        return  # the module's execution ended; the wrapper calls again once the import returned
     # Under the hook's lock: with several threads importing, two of them may finish the last of
     # MegaBlocks and stk at once. install() imports MegaBlocks' and stk's modules, which have all
     # finished executing by then (no import lock to wait for), and no other thread asks for the
@@ -195,7 +205,7 @@ def _finish(name: str, succeeded: bool) -> None:
         # install() took every patch back. The next attempt to import `name` gets the same
         # treatment, and fails the same way, rather than finding it half-patched in sys.modules.
         sys.modules.pop(name, None)
-        hook.FINDER.before, hook.FINDER.after = _before_import, _finished
+        hook.FINDER.before, hook.FINDER.after, hook.after_import = _before_import, _finished, _finished
         hook.fail(f"patching {name} once it had imported", exc)
         record(f"patches could not be installed after {name} imported ({type(exc).__name__}); "
                f"every patch taken back and the import of {name} failed")
@@ -209,7 +219,7 @@ def _finish(name: str, succeeded: bool) -> None:
 
 def _done() -> None:
     with hook.LOCK:
-        hook.FINDER.before = hook.FINDER.after = None
+        hook.FINDER.before = hook.FINDER.after = hook.after_import = None
         hook.FINDER.retire_if_idle()
     _warn_about_clients_that_missed_megablocks()
 

@@ -22,7 +22,7 @@
 # that torch with --no-build-isolation --no-deps, last. pip would report their pins as conflicts
 # ("ERROR: pip's dependency resolver ..."): those installs pass --no-warn-conflicts, and at the end
 # `pip check` is run and every unmet requirement that is not one of these known pins is printed.
-# Without CUDA, MegaBlocks' extension is simply not built; megablocks_ascend stands in for it.
+# Without a GPU, MegaBlocks' extension is not built (step 3); megablocks_ascend stands in for it.
 #
 # Each torch release built for CUDA requires its own Triton (torch 2.14.x: triton~=3.8.0; 2.15.0:
 # triton~=3.9.0; 2.7.1: triton==3.3.1), and pip refuses a pair that does not match. So when only
@@ -163,7 +163,14 @@ for d in ("torch", "triton", "numpy"): print(f"{d}=={m.version(d)}")' > "$held"
 fi
 
 # 3. MegaBlocks and stk, built against this torch, without their dependencies (known pins, above).
-"${pip[@]}" install --no-build-isolation --no-deps --no-warn-conflicts "${UPSTREAM[@]}"
+# On a machine without a GPU, MegaBlocks is built without its CUDA extension even where a CUDA
+# toolkit is installed (its setup.py would ask the absent GPU for its compute capability and fail:
+# tools/no-cuda-extension/sitecustomize.py).
+build_env=()
+if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    build_env=(env "PYTHONPATH=$ROOT/tools/no-cuda-extension${PYTHONPATH:+:$PYTHONPATH}")
+fi
+"${build_env[@]}" "${pip[@]}" install --no-build-isolation --no-deps --no-warn-conflicts "${UPSTREAM[@]}"
 say "installed $(versions megablocks stanford-stk) (built against this torch; their torch<2.7.1 pin set aside)"
 
 # 4. This package, editable: its torch.backends entry point activates it whatever a program imports first.
