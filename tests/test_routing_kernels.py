@@ -515,3 +515,30 @@ def test_an_invalid_store_form_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="MEGABLOCKS_ASCEND_STORES='rows': expected one of auto, contiguous, scattered"):
         routing.scatter(torch.zeros(4, 8), torch.arange(4, dtype=torch.int32), None, None,
                         torch.tensor([4], dtype=torch.int32), 1)
+
+
+@pytest.mark.parametrize("stores", ["contiguous", "scattered"])
+def test_a_dropped_slot_adds_nothing_whatever_its_weight(stores, monkeypatch):
+    """A slot that capacity dropped (``slot_to_row`` -1) contributes exactly nothing to its token's
+    sum, as in upstream MegaBlocks, where dropped slots are never visited: not ``weight * 0``, which
+    is NaN for a NaN or infinite weight. Both store forms (the NPU's flat slot tile and CUDA's
+    per-slot loads); the reference is float64 over the kept slots."""
+    from megablocks_ascend import devices
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_STORES", stores)
+    monkeypatch.setattr(devices, "target", lambda device: "npu" if stores == "contiguous" else "cuda")
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, top_k, hidden = 6, 3, 20
+    y = torch.randn(num_tokens * top_k, hidden, generator=gen)
+    slot_to_row = torch.randperm(num_tokens * top_k, generator=gen).to(torch.int32)
+    weights = torch.rand(num_tokens * top_k, generator=gen)
+    dropped = torch.tensor([1, 5, 6, 7, 8, 16])  # token 2 loses every slot
+    slot_to_row[dropped] = -1
+    weights[dropped] = torch.tensor([float("nan"), float("inf"), float("nan"), -float("inf"), 1e30, float("nan")])
+    out = routing.scatter_rows(y, slot_to_row, weights, num_tokens=num_tokens, top_k=top_k, tile=SMALL)
+    kept = slot_to_row >= 0
+    want = torch.zeros(num_tokens, hidden, dtype=torch.float64)
+    for slot in torch.nonzero(kept).flatten().tolist():
+        want[slot // top_k] += weights[slot].double() * y[slot_to_row[slot]].double()
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[2], torch.zeros(hidden))

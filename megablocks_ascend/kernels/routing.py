@@ -408,10 +408,12 @@ def _scatter(
             row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
             valid = in_slots & (row >= 0) & (row < num_rows)
             src = _offsets(tl.reshape(tl.where(valid, row, 0), (BLOCK_M * BLOCK_K,)), hidden, INT64)
-            valid = tl.reshape(valid, (BLOCK_M * BLOCK_K,))
             if SCALE:
-                scale = tl.reshape(tl.load(weights + slots, mask=in_slots, other=0).to(tl.float32),
-                                   (BLOCK_M * BLOCK_K,))
+                # A dropped slot's weight is selected away, not multiplied by its zero row: a NaN or
+                # infinite weight would make the token's sum NaN (CUDA's form masks it the same way).
+                scale = tl.load(weights + slots, mask=in_slots, other=0).to(tl.float32)
+                scale = tl.reshape(tl.where(valid, scale, 0.0), (BLOCK_M * BLOCK_K,))
+            valid = tl.reshape(valid, (BLOCK_M * BLOCK_K,))
             for x0 in range(0, hidden, BLOCK_X):
                 c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
                 tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
