@@ -242,14 +242,17 @@ class Finder:
             after = _chain(after, self._deliver)
         if before is None and after is None:
             return None
+        spec = self.find_elsewhere(name, path, target)
+        if spec is not None and spec.loader is not None:
+            watch(spec, on_start=before, on_end=after)
+        return spec
+
+    def find_elsewhere(self, name, path=None, target=None):
+        """The spec the finders after this one find for ``name``, as the import system would ask them."""
         for finder in sys.meta_path:
-            if finder is self:
-                continue
-            find = getattr(finder, "find_spec", None)
+            find = getattr(finder, "find_spec", None) if finder is not self else None
             spec = find(name, path, target) if find is not None else None
             if spec is not None:
-                if spec.loader is not None:
-                    watch(spec, on_start=before, on_end=after)
                 return spec
         return None
 
@@ -437,17 +440,15 @@ def _ordered(find_and_load, wait):
                 wait(parent)  # another thread executes it: wait until it has finished (in this one: at once)
         names = _in_flight.__dict__.setdefault("names", [])
         names.append(name)
+        succeeded = False
         try:
             module = find_and_load(name, import_)
-        except BaseException:
+            succeeded = True
+            return module
+        finally:
             names.pop()
             if not dot and after_import is not None:
-                after_import(name, False)
-            raise
-        names.pop()
-        if not dot and after_import is not None:
-            after_import(name, True)
-        return module
+                after_import(name, succeeded)
 
     setattr(_find_and_load, _ORDERED, True)
     _find_and_load.__wrapped__ = find_and_load
@@ -461,12 +462,8 @@ _found: set = set()  # the watched packages found installed (a package found sta
 def _installed(top: str) -> bool:
     """Whether package ``top`` can be imported (so that a failed ``import megablocks`` where it is
     not installed does not activate the plugin). Asks the finders after the hook's, as it does."""
-    if top not in _found:
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None) if finder is not FINDER else None
-            if find is not None and find(top, None, None) is not None:
-                _found.add(top)
-                break
+    if top not in _found and FINDER.find_elsewhere(top) is not None:
+        _found.add(top)
     return top in _found
 
 
