@@ -65,6 +65,6 @@ def _place(
         items = m0 + m
         inside = items < end
         raw, key, valid = _prep._keys(keys, items, inside, num_keys, key_mask)
-        hit = _prep._onehot(key, valid, e_f)  # [BLOCK_E, BLOCK_M]
+        hit = _prep._hit(key, valid, e_f, False)  # [BLOCK_E, BLOCK_M]: the keys along the first axis
         rank = tl.sum(hit * tl.cumsum(hit, axis=1), axis=0).to(tl.int32) - 1  # along the last axis
         tl.store(indices + items, rank, mask=inside)

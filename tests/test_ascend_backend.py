@@ -456,6 +456,24 @@ def test_gate_fails_the_scatter_that_loads_one_slot_at_a_time():
 
 
 @needs_backend
+def test_gate_fails_a_count_whose_one_hot_has_its_items_along_the_last_axis():
+    """The preparation's count as it was at 1024 experts (its one-hot ``[BLOCK_E, BLOCK_M]``, 4 items
+    along the last axis: CUDA's form, NPU_FORM=0 set by hand): the compiler loops over the tile's
+    1024 rows with one 4-element compare and one select each, 516 small vector ops per item, which
+    the census fails; the NPU's form (the keys along the last axis) meets the target."""
+    axes = ("--only", "_count", "--experts", "1024", "--axis", "index=i32")
+    old = _lower(*axes, "--set", "NPU_FORM=false")
+    assert old.returncode == 1, old.stdout + old.stderr
+    missed = re.search(r"census: ([0-9.]+) vector ops over fewer than 64 elements per row \(target <= 32\)",
+                       old.stdout)
+    assert missed and float(missed.group(1)) > 256, old.stdout
+    now = _lower(*axes)
+    assert now.returncode == 0, now.stdout + now.stderr
+    small = re.search(r"most vector ops over fewer than 64 elements per row: ([0-9.]+) ", now.stdout)
+    assert small and float(small.group(1)) <= 8, now.stdout
+
+
+@needs_backend
 def test_gate_fails_a_scan_along_the_last_axis():
     """The preparation's placement ranking items with a scan along its one-hot tile's last axis
     (tests/census_variants.py): a per-element scalar loop, which the census counts and fails."""

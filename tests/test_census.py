@@ -118,16 +118,18 @@ def test_a_module_without_a_kernel_is_refused():
 
 
 def test_targets():
-    good = dict(vector_1=0, scalar_loops=0, handshakes_sv=1, row_stores=0, vector_i64=0)
+    good = dict(vector_1=0, scalar_loops=0, handshakes_sv=1, row_stores=0, vector_i64=0, vector_lt64=32)
     assert census.problems(good, chosen=True) == []
     assert census.problems(dict(good, vector_1=0.5), chosen=False) == [
         "census: 0.5 one-element vector ops per row in a hot loop (target <= 0)"]
     assert census.problems(dict(good, scalar_loops=1), chosen=False) == [
         "census: 1 per-element scalar loops in the kernel (target <= 0)"]
     # the store-form targets hold only where an NPU runs the kernel
-    worse = dict(good, handshakes_sv=1.5, row_stores=2)
+    worse = dict(good, handshakes_sv=1.5, row_stores=2, vector_lt64=516)
     assert census.problems(worse, chosen=False) == []
-    assert len(census.problems(worse, chosen=True)) == 2
+    assert len(census.problems(worse, chosen=True)) == 3
+    assert census.problems(dict(good, vector_lt64=516), chosen=True) == [
+        "census: 516 vector ops over fewer than 64 elements per row (target <= 32)"]
     assert census.problems(dict(good, row_stores=2), chosen=True, inherent_row_stores=2) == []
     assert census.problems(dict(good, vector_i64=1), chosen=True, int64=True) == []
     assert census.problems(dict(good, vector_i64=1), chosen=True) == [

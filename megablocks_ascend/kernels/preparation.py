@@ -29,7 +29,8 @@ so ``indices`` stays a permutation and nothing is written out of bounds; their r
 
 Shape on the device: a 1-D grid of ``P`` programs (vector cores on an NPU, SMs on CUDA), each
 looping over its chunk in blocks of ``BLOCK_M`` items; every per-key quantity is a ``BLOCK_E``-wide
-vector and every block a ``[BLOCK_E, BLOCK_M]`` one-hot tile (which key each item has). An
+vector and every block a one-hot tile of ``BLOCK_M`` items by ``BLOCK_E`` keys (which key each
+item has; on an NPU with the keys along its last axis, ``_hit``). An
 item's position is its key's cursor picked from the tile (``_pick``) plus its rank among the
 block's items of that key (a scan of the tile along the items), so the kernels use only
 element-wise ops, reductions and scans along an axis. The tile work is float32, not int32:
@@ -80,14 +81,6 @@ def _keys(keys, items, inside, num_keys, key_mask):
 
 
 @triton.jit
-def _onehot(key, valid, e_f):
-    """``[BLOCK_E, BLOCK_M]`` float32: 1 where item ``m`` has key ``e``, else 0 (an item without a
-    valid key: 0 everywhere)."""
-    k = tl.where(valid, key, -1).to(tl.float32)
-    return tl.where(e_f[:, None] == k[None, :], 1.0, 0.0)
-
-
-@triton.jit
 def _scan(v, BLOCK: tl.constexpr, NPU_FORM: tl.constexpr):
     """The inclusive prefix sum of a vector: in vector operations on an NPU (kernels/scan.py),
     ``tl.cumsum`` elsewhere (a warp-level scan on CUDA)."""
@@ -99,27 +92,38 @@ def _scan(v, BLOCK: tl.constexpr, NPU_FORM: tl.constexpr):
 
 
 @triton.jit
-def _rank(key, valid, e_f, NPU_FORM: tl.constexpr):
-    """``(hit, rank)``: the block's one-hot (float32: 1 where item ``m`` has key ``e``, an item
-    without a valid key 0 everywhere) and each item's rank among the block's items of its key (a
-    scan of the one-hot along the items; float32 is exact, counts are at most BLOCK_M). On an NPU
-    the one-hot is ``[BLOCK_M, BLOCK_E]`` and scanned along its first axis (a vector scan there;
-    along the last axis it is a scalar loop over every element); on CUDA ``[BLOCK_E, BLOCK_M]``,
-    scanned along its last axis (within a warp: on an H200 the transposed tile made the
-    preparation 1.1-1.5x slower, docs/notes/npu-census.md)."""
+def _hit(key, valid, e_f, NPU_FORM: tl.constexpr):
+    """The block's one-hot, float32: 1 where item ``m`` has key ``e``, else 0 (an item without a
+    valid key: 0 everywhere). On an NPU ``[BLOCK_M, BLOCK_E]``, the keys along the last axis: an
+    elementwise op on a tile whose last axis is shorter than a 32-byte block lowers, through
+    bishengir-compile 1.2.0, to a loop of one small vector op per row (at 1024 experts, 4 items a
+    block: two 1024-iteration loops of 4-element compares and selects per block,
+    docs/notes/npu-census.md). On CUDA ``[BLOCK_E, BLOCK_M]``, whose scans along the items run within
+    a warp (on an H200 the transposed tile made the preparation 1.1-1.5x slower)."""
     k = tl.where(valid, key, -1).to(tl.float32)
     if NPU_FORM:
         hit = tl.where(k[:, None] == e_f[None, :], 1.0, 0.0)
-        rank = tl.sum(hit * tl.cumsum(hit, axis=0), axis=1).to(tl.int32) - 1
     else:
         hit = tl.where(e_f[:, None] == k[None, :], 1.0, 0.0)
+    return hit
+
+
+@triton.jit
+def _rank(hit, NPU_FORM: tl.constexpr):
+    """Each item's rank among the block's items of its key, from :func:`_hit`'s one-hot: a scan of the
+    one-hot along the items (float32 is exact, counts are at most BLOCK_M). On an NPU along the
+    tile's first axis (a vector scan there; along the last axis it is a scalar loop over every
+    element); on CUDA along its last axis."""
+    if NPU_FORM:
+        rank = tl.sum(hit * tl.cumsum(hit, axis=0), axis=1).to(tl.int32) - 1
+    else:
         rank = tl.sum(hit * tl.cumsum(hit, axis=1), axis=0).to(tl.int32) - 1
-    return hit, rank
+    return rank
 
 
 @triton.jit
 def _tally(hit, NPU_FORM: tl.constexpr):
-    """The block's items of each key (int32, ``[BLOCK_E]``), from :func:`_rank`'s one-hot."""
+    """The block's items of each key (int32, ``[BLOCK_E]``), from :func:`_hit`'s one-hot."""
     if NPU_FORM:
         out = tl.sum(hit, axis=0).to(tl.int32)
     else:
@@ -129,7 +133,7 @@ def _tally(hit, NPU_FORM: tl.constexpr):
 
 @triton.jit
 def _pick(hit, v, NPU_FORM: tl.constexpr):
-    """``v[key of m]`` for each item ``m`` (0 for an item without a valid key): :func:`_rank`'s
+    """``v[key of m]`` for each item ``m`` (0 for an item without a valid key): :func:`_hit`'s
     one-hot times ``v``, summed over the keys. In float32, whose products and sums of one term are
     exact below 2**24, so ``v`` (int32) goes in two halves of 16 bits."""
     hi = (v >> 16).to(tl.float32)
@@ -159,7 +163,7 @@ def _chunk(pid, chunk, num_items):
 def _count(
     keys, counts,
     num_items, num_keys, key_mask, chunk, table_rows,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    NPU_FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
@@ -173,7 +177,7 @@ def _count(
         items = m0 + m
         inside = items < end
         _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
-        acc += tl.sum(_onehot(key, valid, e_f), axis=1).to(tl.int32)
+        acc += _tally(_hit(key, valid, e_f, NPU_FORM), NPU_FORM)
         bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
     tl.store(counts + pid * BLOCK_E + e, acc)
     tl.store(counts + table_rows * BLOCK_E + pid, tl.sum(bad, axis=0))
@@ -230,7 +234,8 @@ def _place(
             items = m0 + m
             inside = items < end
             raw, key, valid = _keys(keys, items, inside, num_keys, key_mask)
-            hit, rank = _rank(key, valid, e_f, NPU_FORM)
+            hit = _hit(key, valid, e_f, NPU_FORM)
+            rank = _rank(hit, NPU_FORM)
             pos = _pick(hit, cursor, NPU_FORM) + rank
             bad = inside.to(tl.int32) - valid.to(tl.int32)  # items without a valid key
             pos = tl.where(valid, pos, bad_cursor + _scan(bad, BLOCK_M, NPU_FORM) - bad)
@@ -314,8 +319,8 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
     block_p = devices.prep_block_p(programs, block_e)
     table_rows = _cdiv(programs, block_p) * block_p
     counts = torch.empty(table_rows * (block_e + 1), dtype=torch.int32, device=device)
-    _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, table_rows, BLOCK_M=t.block_m,
-                  BLOCK_E=block_e, num_warps=t.num_warps)
+    _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, table_rows, NPU_FORM=npu_form,
+                  BLOCK_M=t.block_m, BLOCK_E=block_e, num_warps=t.num_warps)
     placed = place != HISTOGRAM
     _place.launch(
         (programs,), keys, counts, indices if placed else counts, bin_ids if placed else counts, tokens_per_expert, bins,

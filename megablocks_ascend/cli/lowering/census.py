@@ -449,6 +449,11 @@ TARGETS = (
     Target("handshakes_sv", 1, "scalar<->vector handshakes per row", chosen_only=True),
     Target("row_stores", 0, "stores issued row by row (to data-dependent rows) per row, beyond what the "
                             "kernel's result needs", chosen_only=True),
+    # A loop of one small vector op per row of a tile (an elementwise op on a tile whose last axis is
+    # shorter than a 32-byte block: the preparation's one-hot with its 4 items along the last axis at
+    # 1024 experts made 516 per item) grows with the tile's other side; what is left are ops on the
+    # sub-block's own BLOCK_M-wide vectors (at most 18.5 per row at 4 items a block).
+    Target("vector_lt64", 32, "vector ops over fewer than 64 elements per row", chosen_only=True),
 )
 
 

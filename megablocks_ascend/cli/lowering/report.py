@@ -88,6 +88,7 @@ def census_summary(results: list[dict]) -> list[str]:
     lines = []
     for metric, what in (("flags", "set/wait flags"), ("handshakes_sv", "scalar<->vector handshakes"),
                          ("barriers_mte3", "MTE3 barriers"), ("vector_1", "one-element vector ops"),
+                         ("vector_lt64", "vector ops over fewer than 64 elements"),
                          ("row_stores", "row-by-row stores"), ("scalar_loops", "per-element scalar loops (in the kernel)")):
         top = max(chosen or counted, key=lambda r: r["census"][metric])
         per = "" if metric == "scalar_loops" else " per row"

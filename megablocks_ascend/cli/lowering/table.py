@@ -203,7 +203,7 @@ def _count(p: Problem) -> dict:
 
 
 PREPARATION_KERNELS = (
-    KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E"), ("keys",), False, _count,
+    KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E", "NPU_FORM"), ("keys",), False, _count,
                module="preparation", hot_step="BLOCK_M"),
     KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=PLACES, PADDED=BOOLS, ROUTE=ROUTES),
                ("BLOCK_M", "BLOCK_E", "BLOCK_P", "NPU_FORM"), ("keys",), False,
