@@ -31,6 +31,7 @@ try:
     from megablocks_ascend.backends import (  # noqa: E402
         BACKENDS,
         BackendUnavailable,
+        CaptureError,
         last_backend,
         requested,
         resolve,
@@ -53,6 +54,7 @@ __all__ = [
     "BACKENDS",
     "BackendUnavailable",
     "BlockSparseArgumentError",
+    "CaptureError",
     "PatchError",
     "RoutingArgumentError",
     "install",

@@ -28,14 +28,20 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megablocks_ascend import compat, devices, envs, reference, validation
+from megablocks_ascend import compat, devices, envs, keeping, reference, validation
 from megablocks_ascend.kernels import blocksparse, preparation, routing
+from megablocks_ascend.kernels import topology as topology_kernels
 
 BACKENDS = envs.BACKENDS
 
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot serve tensors on this device."""
+
+
+class CaptureError(RuntimeError):
+    """A call that must read a device value on the host was made while a graph is being captured
+    (raised before the read, so the capture is not left broken)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -72,6 +78,11 @@ class Backend:
     # histogram for up to sort_keys keys; its routing preparation refuses more experts.
     counting_sort: Callable[[str], Callable] | None = None
     sort_keys: int = 0
+    # -> topology(padded_bins, block_size, block_rows, blocks_per_row): the sparse dMoE's topology
+    topology: Callable[[], Callable] | None = None
+    # The sparse dMoE may size its padded buffers and topology statically (ops.padded_rows) with it:
+    # its padded_gather takes num_rows and its topology any block_rows. Upstream's take neither.
+    static_sizes: bool = True
 
 
 def _ascend_unready(device) -> str | None:
@@ -150,6 +161,30 @@ def upstream_preparation(top_experts, num_experts, block=0, route=-1, capacity=0
     return indices, bin_ids, bins, tokens_per_expert, padded_bins
 
 
+def upstream_topology(padded_bins, block_size, block_rows, blocks_per_row):
+    """MegaBlocks' own topology (``ParallelDroplessMLP.topology`` and ``sparse_transpose`` of
+    MegaBlocks 0.10.0): ``ops.topology``, ``stk.ops.row_indices``, then the transpose from
+    ``ops.sort`` / ``ops.histogram`` / ``ops.inclusive_cumsum``, through whichever
+    ``megablocks_ops`` and stk kernels are installed. ``block_rows`` must be
+    ``padded_bins[-1] / block_size`` (upstream has no spare block rows: it leaves their column
+    indices unwritten)."""
+    import megablocks.ops as mops  # noqa: PLC0415
+    import stk.ops  # noqa: PLC0415
+    device = padded_bins.device
+    columns = padded_bins.shape[0] * blocks_per_row
+    offsets = torch.arange(0, block_rows * blocks_per_row + 1, blocks_per_row, dtype=torch.int32, device=device)
+    column_indices = mops.topology(padded_bins, block_size, block_rows, blocks_per_row)
+    data = torch.empty(column_indices.numel(), block_size, block_size, dtype=torch.float16, device="meta")
+    shape = (block_rows * block_size, columns * block_size)
+    row_indices = stk.ops.row_indices(shape, data, offsets, column_indices)
+    _, gather_indices = mops.sort(column_indices.int(), max((columns - 1).bit_length(), 1))
+    column_indices_t = row_indices.gather(0, gather_indices.long())
+    counts = mops.inclusive_cumsum(mops.histogram(column_indices, columns), 0)
+    counts = counts.unsqueeze(0) if counts.dim() == 0 else counts
+    offsets_t = torch.cat([torch.zeros((1,), dtype=torch.int32, device=device), counts])
+    return row_indices, column_indices, offsets, column_indices_t, offsets_t, gather_indices.int()
+
+
 RECORDS: dict[str, Backend] = {b.name: b for b in (
     Backend(
         name="ascend",  # our Triton kernels
@@ -162,6 +197,7 @@ RECORDS: dict[str, Backend] = {b.name: b for b in (
         refuse_blocksparse=_ascend_blocksparse_refusal,
         contiguous=True,  # our launchers take contiguous tensors (the preparation's are)
         counting_sort=functools.partial(getattr, preparation), sort_keys=devices.MAX_PREP_KEYS,
+        topology=functools.partial(getattr, topology_kernels, "topology"),
     ),
     Backend(
         name="cuda",  # upstream MegaBlocks' and stk's own kernels
@@ -173,6 +209,8 @@ RECORDS: dict[str, Backend] = {b.name: b for b in (
         blocksparse=_upstream_stk,
         refuse_blocksparse=_stk_refusal,
         upstream=True,
+        topology=lambda: upstream_topology,
+        static_sizes=False,
     ),
     Backend(
         name="torch",  # plain PyTorch, the reference the others are tested against
@@ -181,6 +219,7 @@ RECORDS: dict[str, Backend] = {b.name: b for b in (
         routing=functools.partial(getattr, reference),
         preparation=functools.partial(getattr, reference, "prepare_routing"),
         blocksparse=functools.partial(getattr, reference.blocksparse),
+        topology=functools.partial(getattr, reference.blocksparse, "topology"),
     ),
 )}
 _AUTO = {kind: b.name for b in RECORDS.values() for kind in b.auto}
@@ -310,6 +349,10 @@ SPECS: dict[str, tuple[tuple[str, ...], int, str | None]] = {
 }
 
 _TENSOR_ARGS = ("x", "grad", "indices", "bin_ids", "weights", "bins", "padded_bins")
+# Parameters of ours that upstream's functions do not have, after theirs: optional (None:
+# upstream's behaviour). padded_gather's num_rows: the output's row count, known to the host (the
+# sparse dMoE's static size), instead of padded_bins[-1] read on the host.
+EXTRA_PARAMS: dict[str, tuple[str, ...]] = {"padded_gather": ("num_rows",)}
 
 
 def _implementation(name: str, backend: str) -> Callable:
@@ -324,23 +367,39 @@ _dispatching = _Depth()
 
 
 def _make_dispatcher(name: str) -> Callable:
-    params, x_ndim, x_rows = SPECS[name]
+    upstream_params, x_ndim, x_rows = SPECS[name]
+    upstream_arity = len(upstream_params)
+    params = upstream_params + EXTRA_PARAMS.get(name, ())
     tensor_positions = tuple(i for i, p in enumerate(params) if p in _TENSOR_ARGS)
     data_positions = tuple(i for i, p in enumerate(params) if p in ("x", "grad", "weights"))
     at = {p: params.index(p) for p in params}
     i_grad, i_bin_ids, i_weights, i_padded, i_capacity = (at.get(p) for p in (
         "grad", "bin_ids", "weights", "padded_bins", "expert_capacity"))
     i_indices, i_bins, i_top_k = at["indices"], at["bins"], at["top_k"]
-    signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+    i_num_rows = at.get("num_rows")
+    signature = inspect.Signature([
+        inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          default=None if i >= upstream_arity else inspect.Parameter.empty)
+        for i, p in enumerate(params)])
 
     def dispatcher(*args, **kwargs):
         if kwargs or len(args) != len(params):
-            args = tuple(signature.bind(*args, **kwargs).arguments.values())  # (every parameter is required)
+            bound = signature.bind(*args, **kwargs)  # (every parameter but the optional ones is required)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
         if _dispatching.depth:
             # Upstream's functions call their siblings by module-global name (scatter calls
             # padded_scatter), which now finds this dispatcher: hand those straight to upstream.
-            return _upstream(name)(*args)
+            return _upstream(name)(*args[:upstream_arity])
         x = args[0]
+        if i_num_rows is not None:
+            validation.check_num_rows(name, args[i_num_rows], args[i_padded])
+            if args[i_num_rows] is None and isinstance(x, torch.Tensor) and keeping.capturing_on(x):
+                raise CaptureError(
+                    f"{name}: its output's row count is padded_bins[-1], read on the host (a device-to-host "
+                    f"sync), which a graph capture cannot hold; {envs.SPARSE_SIZES_VAR}=exact asks the sparse "
+                    "dMoE for these exact sizes: leave it unset (static sizes) to capture a sparse dMoE step, or "
+                    "pass num_rows (megablocks_ascend.ops.padded_rows) when calling padded_gather yourself")
         prepared = validation.check_routing_args(
             name, x, x_ndim, args[i_indices], args[i_bins], args[i_top_k],
             None if i_bin_ids is None else args[i_bin_ids], None if i_weights is None else args[i_weights],
@@ -358,9 +417,15 @@ def _make_dispatcher(name: str) -> Callable:
         elif record.upstream:
             _dispatching.depth += 1  # (only upstream's functions call back into the dispatchers)
             try:
-                return _implementation(name, backend)(*args)
+                out = _implementation(name, backend)(*args[:upstream_arity])
             finally:
                 _dispatching.depth -= 1
+            if i_num_rows is not None and args[i_num_rows] is not None and out.shape[0] != args[i_num_rows]:
+                raise BackendUnavailable(
+                    f"MEGABLOCKS_BACKEND={requested()}: upstream's {name} sizes its output from padded_bins[-1] "
+                    f"({out.shape[0]} rows), not from num_rows={args[i_num_rows]}; a static row count needs "
+                    "MEGABLOCKS_BACKEND=ascend or torch")
+            return out
         return _implementation(name, backend)(*args)
 
     dispatcher.__name__ = dispatcher.__qualname__ = name
@@ -400,6 +465,23 @@ def prepare_routing(top_experts, num_experts, block=0, route=-1, capacity=0):
     # Well-formed by construction: the step's routing calls need not check it again (validation).
     validation.mark_prepared(indices, bins, bin_ids, padded_bins, values_checked=envs.checks_enabled())
     return out
+
+
+def topology(padded_bins, block_size, block_rows, blocks_per_row):
+    """The sparse dMoE's topology (:func:`megablocks_ascend.ops.topology`), served by the backend
+    ``MEGABLOCKS_BACKEND`` selects; see :func:`validation.check_topology`."""
+    validation.check_topology("topology", padded_bins=padded_bins, block_size=block_size, block_rows=block_rows,
+                              blocks_per_row=blocks_per_row)
+    device = padded_bins.device
+    backend = resolve(device)
+    _record("topology", backend, device)
+    return RECORDS[backend].topology()(padded_bins, block_size, block_rows, blocks_per_row)
+
+
+def static_sizes(device: torch.device) -> bool:
+    """Whether the sparse dMoE on ``device`` may size its padded buffers and topology statically: the
+    backend serving it takes ``num_rows`` and spare block rows (``Backend.static_sizes``)."""
+    return RECORDS[resolve(device)].static_sizes
 
 
 def counting_sort(op: str, x: torch.Tensor, num_keys: int) -> Callable | None:

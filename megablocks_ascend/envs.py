@@ -35,6 +35,16 @@ variable                           default   meaning
                                              ``auto``: ``contiguous`` on NPU and CPU tensors,
                                              ``scattered`` on CUDA (``devices.STORES``). For
                                              comparing the forms on one device.
+``MEGABLOCKS_ASCEND_SPARSE_SIZES`` ``static`` How the sparse dMoE (``mlp_impl="sparse"``) sizes its
+                                             padded buffers and topology. ``static``: from what
+                                             the host knows (tokens, top_k, experts, the block
+                                             size), at most ``experts x (block - 1)`` rows more
+                                             than the routing needs; no host sync, capturable in
+                                             a graph. ``exact``: upstream's sizes, from
+                                             ``padded_bins[-1]`` read on the host (a sync per
+                                             step; a graph capture is refused with an error).
+                                             Under ``MEGABLOCKS_BACKEND=cuda`` (upstream's
+                                             kernels) always ``exact``.
 ``MEGABLOCKS_ASCEND_AUTOLOAD``     ``1``     ``0`` turns the autoload off: ``import torch`` then no
                                              longer puts the import hook in place that activates
                                              the plugin just before MegaBlocks or stk execute, and
@@ -64,11 +74,13 @@ BACKEND_VAR = "MEGABLOCKS_BACKEND"
 CHECKS_VAR = "MEGABLOCKS_ASCEND_CHECKS"
 NUM_PROGRAMS_VAR = "MEGABLOCKS_ASCEND_NUM_PROGRAMS"
 STORES_VAR = "MEGABLOCKS_ASCEND_STORES"
+SPARSE_SIZES_VAR = "MEGABLOCKS_ASCEND_SPARSE_SIZES"
 AUTOLOAD_VAR = _autoload.AUTOLOAD_VAR  # parsed there: it is read before this package may be imported
 autoload_enabled = _autoload.enabled
 
 BACKENDS = ("auto", "ascend", "cuda", "torch")
 STORES = ("auto", "contiguous", "scattered")
+SPARSE_SIZES = ("static", "exact")
 
 
 _parsed: dict = {}  # (variable, raw value) -> parsed value; invalid values are never stored
@@ -169,3 +181,15 @@ def _parse_stores(raw: str) -> str:
 def stores() -> str:
     """The value of ``MEGABLOCKS_ASCEND_STORES``, validated: ``auto``, ``contiguous`` or ``scattered``."""
     return _read(STORES_VAR, "auto", _parse_stores)
+
+
+def _parse_sparse_sizes(raw: str) -> str:
+    value = raw.strip().lower() or "static"
+    if value not in SPARSE_SIZES:
+        raise ValueError(f"{SPARSE_SIZES_VAR}={raw!r}: expected one of {', '.join(SPARSE_SIZES)}")
+    return value
+
+
+def sparse_sizes() -> str:
+    """The value of ``MEGABLOCKS_ASCEND_SPARSE_SIZES``, validated: ``static`` or ``exact``."""
+    return _read(SPARSE_SIZES_VAR, "static", _parse_sparse_sizes)

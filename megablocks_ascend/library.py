@@ -5,7 +5,7 @@ trace record) at run time, and has a fake (meta) implementation giving its outpu
 ``torch.compile`` treats it as one opaque node instead of breaking the graph on Python it cannot
 trace. The autograd Functions in :mod:`megablocks_ascend.ops` call these ops, so MegaBlocks' layers
 compile through them. ``padded_gather``'s row count is data-dependent (``padded_bins[-1]``) and
-is declared as such.
+is declared as such, unless the caller gives it (``num_rows``: the sparse dMoE's static size).
 
 stk's block-sparse matmuls are custom ops too (``torch.ops.megablocks_ascend.stk_{sdd,dsd,dds,
 row_indices}``, writing ``out`` in place, so declared ``mutates_args=("out",)``).
@@ -95,16 +95,18 @@ def _(x, grad, indices, bin_ids, bins, top_k):
     return x.new_empty(indices.shape[0])
 
 
+# num_rows: -1 for None (a custom op's int cannot be None): the row count padded_bins[-1], data-dependent.
 @torch.library.custom_op(f"{_NS}::padded_gather", mutates_args=())
 def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
-                  padded_bins: Tensor, top_k: int) -> Tensor:
+                  padded_bins: Tensor, top_k: int, num_rows: int = -1) -> Tensor:
     with keeping.no_reuse():  # compiled graphs: nothing kept on their tensors
-        return backends.KERNELS["padded_gather"](x, indices, bin_ids, weights, bins, padded_bins, top_k)
+        return backends.KERNELS["padded_gather"](x, indices, bin_ids, weights, bins, padded_bins, top_k,
+                                                 None if num_rows < 0 else num_rows)
 
 
 @padded_gather.register_fake
-def _(x, indices, bin_ids, weights, bins, padded_bins, top_k):
-    rows = torch.library.get_ctx().new_dynamic_size()
+def _(x, indices, bin_ids, weights, bins, padded_bins, top_k, num_rows=-1):
+    rows = num_rows if num_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     return x.new_empty(rows, x.shape[1])
 
 
@@ -152,6 +154,22 @@ def _(top_experts, num_experts, block, route, capacity):
     like = top_experts.new_empty(0, dtype=torch.int32)
     return (like.new_empty(n), like.new_empty(n), like.new_empty(num_experts), like.new_empty(num_experts),
             like.new_empty(num_experts if block else 0))
+
+
+# The sparse dMoE's topology (ops.topology): six index tensors whose sizes the arguments give.
+@torch.library.custom_op(f"{_NS}::topology", mutates_args=())
+def topology(padded_bins: Tensor, block_size: int, block_rows: int,
+             blocks_per_row: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(backends.topology(padded_bins, block_size, block_rows, blocks_per_row))
+
+
+@topology.register_fake
+def _(padded_bins, block_size, block_rows, blocks_per_row):
+    nnz = block_rows * blocks_per_row
+    index = padded_bins.new_empty(0, dtype=torch.int16)
+    offsets = padded_bins.new_empty(0, dtype=torch.int32)
+    return (index.new_empty(nnz), index.new_empty(nnz), offsets.new_empty(block_rows + 1), index.new_empty(nnz),
+            offsets.new_empty(padded_bins.shape[0] * blocks_per_row + 1), offsets.new_empty(nnz))
 
 
 # ------------------------------------------------------------------------------------------

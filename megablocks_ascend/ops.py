@@ -47,6 +47,15 @@ class _Kernels:
 kernels = _Kernels()
 
 
+def _padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, num_rows):
+    """``kernels.padded_gather`` with ``num_rows`` (None: ``padded_bins[-1]`` rows, read on the host);
+    the custom op, which takes no None for an int, is given -1 for it."""
+    if torch.compiler.is_compiling():
+        return library.OPS["padded_gather"](x, indices, bin_ids, weights, bins, padded_bins, top_k,
+                                            -1 if num_rows is None else num_rows)
+    return backends.KERNELS["padded_gather"](x, indices, bin_ids, weights, bins, padded_bins, top_k, num_rows)
+
+
 class BinnedGatherOp(torch.autograd.Function):
 
     @staticmethod
@@ -131,17 +140,17 @@ class PaddedGatherOp(torch.autograd.Function):
 
     @staticmethod
     @custom_fwd(cast_inputs=True)
-    def forward(ctx: Any, x, indices, bin_ids, bins, padded_bins, top_k: int):
+    def forward(ctx: Any, x, indices, bin_ids, bins, padded_bins, top_k: int, num_rows=None):
         ctx.save_for_backward(indices, bin_ids, bins, padded_bins)
         ctx.top_k = top_k
-        return kernels.padded_gather(x, indices, bin_ids, None, bins, padded_bins, top_k)
+        return _padded_gather(x, indices, bin_ids, None, bins, padded_bins, top_k, num_rows)
 
     @staticmethod
     @custom_bwd
     def backward(ctx: Any, grad):
         indices, bin_ids, bins, padded_bins = ctx.saved_tensors
         out = kernels.padded_scatter(grad.contiguous(), indices, bin_ids, None, bins, padded_bins, ctx.top_k)
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 class PaddedScatterOp(torch.autograd.Function):
@@ -152,6 +161,7 @@ class PaddedScatterOp(torch.autograd.Function):
         ctx.save_for_backward(indices, bin_ids, weights, bins, padded_bins,
                               x if ctx.needs_input_grad[3] else None)
         ctx.top_k = top_k
+        ctx.rows = x.shape[0]  # x's gradient has x's rows, whatever padded_bins[-1] is: no host read
         return kernels.padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k)
 
     @staticmethod
@@ -161,7 +171,7 @@ class PaddedScatterOp(torch.autograd.Function):
         indices, bin_ids, weights, bins, padded_bins, x = ctx.saved_tensors
         dgrad = wgrad = None
         if ctx.needs_input_grad[0]:
-            dgrad = kernels.padded_gather(grad, indices, bin_ids, weights, bins, padded_bins, ctx.top_k)
+            dgrad = _padded_gather(grad, indices, bin_ids, weights, bins, padded_bins, ctx.top_k, ctx.rows)
         if ctx.needs_input_grad[3]:
             wgrad = kernels.padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, ctx.top_k)
         return dgrad, None, None, wgrad, None, None, None
@@ -183,8 +193,12 @@ def scatter(x, indices, bin_ids, weights, bins, top_k):
     return ScatterOp.apply(x, indices, bin_ids, weights, bins, top_k)
 
 
-def padded_gather(x, indices, bin_ids, bins, padded_bins, top_k):
-    return PaddedGatherOp.apply(x, indices, bin_ids, bins, padded_bins, top_k)
+def padded_gather(x, indices, bin_ids, bins, padded_bins, top_k, num_rows=None):
+    """MegaBlocks' ``ops.padded_gather``. ``num_rows`` (ours): the output's row count, at least
+    ``padded_bins[-1]`` (:func:`padded_rows` gives one that holds for any routing); the rows past
+    the layout's are zero. Without it the row count is ``padded_bins[-1]``, read on the host
+    (upstream's semantics: a device-to-host sync, refused with ``CaptureError`` during a capture)."""
+    return PaddedGatherOp.apply(x, indices, bin_ids, bins, padded_bins, top_k, num_rows)
 
 
 def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k):
@@ -212,6 +226,34 @@ def prepare_routing(top_experts, num_experts: int, block: int = 0, route: int = 
     indices, _, bins, tokens_per_expert, _ = prepared
     grouped_gemm.keep_group_ends(tokens_per_expert, bins, rows=indices.shape[0])
     return prepared
+
+
+def padded_rows(assignments: int, experts: int, block: int) -> int:
+    """The most rows MegaBlocks' padded layout can take for ``assignments`` routed to ``experts``
+    with each expert's count rounded up to a multiple of ``block``, for any routing: every expert
+    that receives assignments adds at most ``block - 1`` rows of padding, and at most
+    ``m = min(experts, assignments)`` of them receive any, so ``block * floor((assignments + m *
+    (block - 1)) / block)``, at most ``m * (block - 1)`` rows above the routing's own
+    ``padded_bins[-1]``. Known to the host without reading the routing: the sparse dMoE's static
+    size (``MEGABLOCKS_ASCEND_SPARSE_SIZES``)."""
+    for name, value, low in (("assignments", assignments, 0), ("experts", experts, 1), ("block", block, 1)):
+        if type(value) is not int or value < low:
+            raise ValueError(f"padded_rows: '{name}' must be a Python int >= {low}, got {value!r}")
+    used = min(experts, assignments)
+    return (assignments + used * (block - 1)) // block * block
+
+
+def topology(padded_bins, block_size: int, block_rows: int, blocks_per_row: int):
+    """The sparse dMoE's block-sparse topology, ``(row_indices, column_indices, offsets,
+    column_indices_t, offsets_t, block_offsets_t)`` of a matrix of ``block_rows`` block rows whose
+    first ``padded_bins[-1] / block_size`` are the experts' (``blocks_per_row`` blocks each, at the
+    columns of their expert) and the rest spare capacity with no blocks
+    (``kernels/topology.py``). Served by the backend ``MEGABLOCKS_BACKEND`` selects: one launch on
+    ``ascend``; upstream's sequence (which needs ``block_rows == padded_bins[-1] / block_size``) on
+    ``cuda``. No gradients; a ``torch.library`` custom op while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return library.topology(padded_bins, block_size, block_rows, blocks_per_row)
+    return backends.topology(padded_bins, block_size, block_rows, blocks_per_row)
 
 
 OPS = {

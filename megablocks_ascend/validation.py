@@ -185,6 +185,46 @@ def _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_ca
             check_values(op, indices=indices, bins=bins, weights=weights, routing=False)
 
 
+def check_num_rows(op, num_rows, padded_bins):
+    """``padded_gather``'s ``num_rows``: None (the row count is ``padded_bins[-1]``, read on the
+    host) or a Python int; with ``MEGABLOCKS_ASCEND_CHECKS=1`` at least ``padded_bins[-1]`` (a
+    sync), so that no row of the layout falls outside the output."""
+    if num_rows is None:
+        return
+    if type(num_rows) is not int or num_rows < 0:
+        _int(op, "num_rows", num_rows, 0)
+    if envs.checks_enabled() and isinstance(padded_bins, torch.Tensor) and padded_bins.numel():
+        needed = int(padded_bins[-1])
+        if num_rows < needed:
+            _fail(op, "num_rows", f"is {num_rows}, fewer than the padded layout's padded_bins[-1] = {needed} rows")
+
+
+def check_topology(op, *, padded_bins, block_size, block_rows, blocks_per_row):
+    """The sparse dMoE's topology (``ops.topology``): ``padded_bins`` a non-empty 1-D int32/int64
+    tensor, ``block_size`` >= 1, ``block_rows`` >= 0 and ``blocks_per_row`` >= 1 Python ints, with
+    block rows and block columns (experts x ``blocks_per_row``) within int16 block indices, stk's
+    own limit; with ``MEGABLOCKS_ASCEND_CHECKS=1`` also ``padded_bins`` non-decreasing, in multiples
+    of ``block_size``, and within ``block_rows`` (a sync)."""
+    _tensor(op, "padded_bins", padded_bins, 1, INDEX_DTYPES)
+    if padded_bins.shape[0] == 0:
+        _fail(op, "padded_bins", "must have one entry per expert, got 0 entries")
+    _int(op, "block_size", block_size, 1)
+    _int(op, "block_rows", block_rows, 0)
+    _int(op, "blocks_per_row", blocks_per_row, 1)
+    columns = padded_bins.shape[0] * blocks_per_row
+    for name, blocks in (("block_rows", block_rows), ("blocks_per_row", columns)):
+        if blocks > INT16_BLOCKS:
+            _fail(op, name, f"gives {blocks} block {'rows' if name == 'block_rows' else 'columns'}, more than "
+                  f"stk's int16 block indices hold ({INT16_BLOCKS})")
+    if envs.checks_enabled():
+        p = padded_bins.long()
+        if bool((p[1:] < p[:-1]).any()) or bool((p < 0).any()) or bool((p % block_size != 0).any()):
+            _fail(op, "padded_bins", f"must be non-decreasing multiples of block_size={block_size}")
+        if int(p[-1]) > block_rows * block_size:
+            _fail(op, "block_rows", f"is {block_rows}, fewer than padded_bins[-1] / block_size = "
+                  f"{int(p[-1]) // block_size}")
+
+
 _INT32_MAX = 2**31 - 1
 ROUTE_LAYOUTS = (-1, 0, 1, 2)  # none, and routing.DROPLESS, PADDED, BINNED
 
@@ -412,18 +452,23 @@ def check_blocksparse(op, a):
 
 
 def check_offsets_values(op, name, offsets, nnz):
+    """``offsets`` rise from 0 without decreasing to at most ``nnz``; returns ``offsets[-1]``, the
+    number of blocks that belong to the matrix (the rest, if any, are a static-size topology's spare
+    blocks: ``kernels/topology.py``)."""
     o = offsets.long()
-    if bool(o[0] != 0) or bool((o[1:] < o[:-1]).any()) or int(o[-1]) != nnz:
-        _bs_fail(op, name, f"must rise from 0 to the number of blocks ({nnz}) without decreasing")
+    if bool(o[0] != 0) or bool((o[1:] < o[:-1]).any()) or int(o[-1]) > nnz:
+        _bs_fail(op, name, f"must rise from 0 to at most the number of blocks ({nnz}) without decreasing")
+    return int(o[-1])
 
 
 def check_topology_values(op, a, stored, block, transposed_metadata):
     """The checks that read the metadata's values (a device-to-host sync): a well-formed BCSR
-    matrix, and transposed metadata that lists the same blocks column by column."""
-    rows, cols = a["row_indices"].long(), a["column_indices"].long()
-    nnz = rows.shape[0]
+    matrix (its blocks the first ``offsets[-1]``), and transposed metadata that lists the same
+    blocks column by column."""
+    nnz = a["row_indices"].shape[0]
     block_rows, block_cols = stored[0] // block, stored[1] // block
-    check_offsets_values(op, "offsets", a["offsets"], nnz)
+    nnz = check_offsets_values(op, "offsets", a["offsets"], nnz)  # the matrix's own blocks: the first nnz
+    rows, cols = a["row_indices"][:nnz].long(), a["column_indices"][:nnz].long()
     expected_rows = torch.repeat_interleave(torch.arange(block_rows, device=rows.device),
                                             torch.diff(a["offsets"].long()), output_size=nnz)
     if not torch.equal(rows, expected_rows):
@@ -433,11 +478,12 @@ def check_topology_values(op, a, stored, block, transposed_metadata):
         _bs_fail(op, "column_indices", f"must lie in [0, {block_cols})")
     if not transposed_metadata:
         return
-    check_offsets_values(op, "offsets_t", a["offsets_t"], nnz)
-    order = a["block_offsets_t"].long()
+    if check_offsets_values(op, "offsets_t", a["offsets_t"], a["row_indices"].shape[0]) != nnz:
+        _bs_fail(op, "offsets_t", f"must end at the number of blocks 'offsets' gives ({nnz})")
+    order = a["block_offsets_t"][:nnz].long()
     if not torch.equal(torch.sort(order).values, torch.arange(nnz, device=order.device)):
         _bs_fail(op, "block_offsets_t", "must be a permutation of the blocks")
-    if not torch.equal(a["column_indices_t"].long(), rows[order]):
+    if not torch.equal(a["column_indices_t"][:nnz].long(), rows[order]):
         _bs_fail(op, "column_indices_t", "must hold the block row of each block, in 'block_offsets_t' order")
     expected_cols = torch.repeat_interleave(torch.arange(block_cols, device=cols.device),
                                             torch.diff(a["offsets_t"].long()), output_size=nnz)

@@ -164,7 +164,8 @@ def test_bench_on_an_npu_that_cannot_be_timed(fake_npu, tmp_path):
     ops = [r for r in rows if r["section"] == "ops"]
     assert {r["impl"] for r in ops} == {"ours", "torch"} and len(ops) == 18  # no upstream off CUDA
     steps_rows = [r for r in rows if r["section"] == "steps"]
-    assert {(r["item"], r["impl"]) for r in steps_rows} == {(f"{layer} eager", impl) for layer in ("dMoE", "MoE")
+    assert {(r["item"], r["impl"]) for r in steps_rows} == {(f"{layer} eager", impl)
+                                                            for layer in ("dMoE", "dMoE-sparse", "MoE")
                                                             for impl in ("ours", "torch")}
     assert all(r["precision_ok"] and r["precision"] for r in steps_rows)
     assert results["summary"]["ok"] and results["summary"]["timed"] == 0

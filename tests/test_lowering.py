@@ -64,7 +64,7 @@ def test_table_knows_which_kernels_unroll_top_k(spec):
 
 
 def _index_ptrs(name):
-    return {"_sdd": {"row_indices", "column_indices"},
+    return {"_sdd": {"offsets", "row_indices", "column_indices"},
             "_dsd": {"offsets", "indices", "block_offsets"},
             "_dds": {"offsets", "indices", "block_offsets"},
             "_row_indices": {"offsets"},
@@ -78,7 +78,9 @@ def _index_ptrs(name):
             "_count": {"counts"},
             "_place": {"counts", "indices", "bin_ids", "tokens_per_expert", "bins", "padded_bins",
                        "slot_to_row"},
-            "_zero_empty_groups": {"ends"}}[name]
+            "_zero_empty_groups": {"ends"},
+            "_topology": {"padded_bins", "row_indices", "column_indices", "offsets", "column_indices_t",
+                          "offsets_t", "block_offsets_t"}}[name]
 
 
 def test_table_axes_cover_every_value():

@@ -28,14 +28,14 @@ from megablocks.layers.moe import clear_load_balancing_loss
 from test_layers import dense_reference, rel
 
 _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-SPARSE_OPS = {"prepare_routing", "padded_gather", "padded_scatter", "padded_scatter_wgrad", "row_indices", "sdd",
+SPARSE_OPS = {"prepare_routing", "padded_gather", "padded_scatter", "padded_scatter_wgrad", "topology", "sdd",
               "dsd"}
 
 
 def sparse_ops(backend):
-    """The calls a sparse dMoE step makes: with ``ascend`` also the topology transpose's sort and
-    histogram (the ``megablocks_ops`` stand-in runs our counting-sort kernels there)."""
-    return SPARSE_OPS | ({"sort", "histogram"} if backend == "ascend" else set())
+    """The calls a sparse dMoE step makes: with ``cuda`` the topology is upstream's sequence, which
+    also calls stk's ``row_indices`` (ours builds it in the same launch as the rest)."""
+    return SPARSE_OPS | ({"row_indices"} if backend == "cuda" else set())
 
 
 def _backends(device):
@@ -280,26 +280,30 @@ def _compile_step(module, x):
     return out.detach(), x.grad, grads
 
 
+@pytest.mark.parametrize("sizes", ["static", "exact"])
 @pytest.mark.parametrize("backend", ["ascend", "torch"])
 @pytest.mark.parametrize("mlp_type,memory_optimized", [("mlp", False), ("glu", False), ("mlp", True)])
-def test_sparse_dmoe_compiles(mlp_type, memory_optimized, backend, device):
+def test_sparse_dmoe_compiles(mlp_type, memory_optimized, backend, sizes, device, monkeypatch):
     """``torch.compile(fullgraph=True)`` of the sparse dMoE, forward and backward, equals eager.
-    padded_gather's row count is data-dependent (an unbacked size); everything after it traces
-    (see docs/notes/sparse-dmoe.md). The memory-optimized MLP cannot be one graph: MegaBlocks'
-    MemoryOptimizedMLP.backward sets ``requires_grad`` on a saved tensor, which Dynamo refuses
-    (the grouped one does the same); it compiles with a graph break there."""
-    if not memory_optimized and _TORCH[:2] == (2, 7):
-        pytest.skip("torch 2.7's Dynamo cannot trace the sparse dMoE as one graph: it refuses "
+    With static sizes (the default) every shape is known when tracing; with
+    ``MEGABLOCKS_ASCEND_SPARSE_SIZES=exact`` padded_gather's row count is data-dependent (an
+    unbacked size) and everything after it traces too (see docs/notes/sparse-dmoe.md). The
+    memory-optimized MLP cannot be one graph: MegaBlocks' MemoryOptimizedMLP.backward sets
+    ``requires_grad`` on a saved tensor, which Dynamo refuses (the grouped one does the same); it
+    compiles with a graph break there."""
+    if sizes == "exact" and not memory_optimized and _TORCH[:2] == (2, 7):
+        pytest.skip("torch 2.7's Dynamo cannot trace the exact-size sparse dMoE as one graph: it refuses "
                     "padded_gather's data-dependent output size (unless capture_dynamic_output_shape_ops "
-                    "is set), and then guards on whether an unbacked size is 0 in MegaBlocks' TopologyOp "
-                    "(torch.empty of rows x blocks per row); torch 2.13 traces both (docs/notes/sparse-dmoe.md)")
+                    "is set), and then guards on whether an unbacked size is 0; torch 2.13 traces both "
+                    "(docs/notes/sparse-dmoe.md)")
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_SPARSE_SIZES", sizes)
     layer, args = make_sparse(device, mlp_type=mlp_type, memory_optimized=memory_optimized)
     x = torch.randn(4, 2, args.hidden_size, device=device)
     compiled = torch.compile(layer, fullgraph=not memory_optimized, backend="aot_eager")
     with megablocks_ascend.use_backend(backend), megablocks_ascend.trace() as calls:
         got = _compile_step(compiled, x)
         want = _compile_step(layer, x)
-    assert {c.backend for c in calls} == {backend} and {"sdd", "dsd", "row_indices"} <= {c.op for c in calls}
+    assert {c.backend for c in calls} == {backend} and {"sdd", "dsd", "topology"} <= {c.op for c in calls}
     torch.testing.assert_close(got, want)
 
 

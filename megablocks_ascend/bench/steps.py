@@ -68,10 +68,15 @@ not work) is an error row with the exception, and the run goes on. Per row:
 ``kernels``    per step, the GPU kernels (and memcpy/memset) ``torch.profiler`` records, the
                same ones ``kernel ms`` sums (one aten op can be several: a radix sort is ~10);
 ``vs up``      the wall time of upstream's eager step (``cuda`` backend, ``eager``, same config,
-               layer, precision and mlp_impl) divided by this row's: > 1 is faster;
+               layer, precision and mlp_impl; for ``sparse`` rows upstream's grouped step, as
+               upstream refuses the sparse MLP with Triton >= 3.2) divided by this row's: > 1 is faster;
+``vs grp``     sparse rows: the grouped step's wall time (same backend, mode, config) divided by
+               this row's: > 1 is faster;
 ``err``        largest relative (L2) error of the step's output and every gradient against
-               upstream's eager step, and ``self`` against this backend's eager step; a row whose
-               error is above ``TOL`` is marked FAIL and not timed.
+               upstream's eager step (sparse rows: upstream's grouped step on the same parameters),
+               and ``self`` against this backend's eager step; a row whose error is above ``TOL`` is
+               marked FAIL and not timed. A graph row whose backend's eager step syncs is an error
+               row, not captured (a failed capture can break every later step of the process).
 
 The layers of one (config, layer, precision, mlp_impl) share their parameters across backends
 and modes, so every row computes the same step from the same values.
@@ -125,8 +130,8 @@ FIELDS = {
     "wgrad_fill": ("empty", "full"),
 }
 DEFAULT = {"config": tuple(CONFIGS), "layer": ("dMoE", "MoE"), "backend": ("ascend", "cuda"),
-           "mode": ("eager", "graph"), "precision": ("bf16",), "mlp_impl": ("grouped",), "mlp_type": ("mlp",),
-           "wgrad_fill": ("empty",)}
+           "mode": ("eager", "graph"), "precision": ("bf16",), "mlp_impl": ("grouped", "sparse"),
+           "mlp_type": ("mlp",), "wgrad_fill": ("empty",)}
 TOL = 2e-2  # relative L2 error of bf16 steps (different routing kernels round differently)
 # Matrix-multiply kernels, by name (CUDA): cuBLAS (gemm, xmma, nvjet), CUTLASS (torch._grouped_mm),
 # our block-sparse matmuls (kernels/blocksparse.py).
@@ -158,6 +163,7 @@ def select(only, quick):
     if quick:
         chosen.update(config=tuple(QUICK_CONFIGS), backend=("ascend", "torch"), mode=("eager",))
     fields = dict(FIELDS, config=tuple(QUICK_CONFIGS) if quick else tuple(CONFIGS))
+    asked = set()
     for term in only:
         key, _, values = term.partition("=")
         if key not in fields or not values:
@@ -167,11 +173,16 @@ def select(only, quick):
         if bad:
             raise SystemExit(f"--only {term!r}: unknown {key} {bad}; known: {', '.join(fields[key])}")
         chosen[key] = picked
+        asked.add(key)
     out = []
     for values in itertools.product(*(chosen[f] for f in FIELDS)):
         v = Variant(*values)
         if v.layer == "MoE" and (v.mlp_impl, v.mlp_type) != (chosen["mlp_impl"][0], chosen["mlp_type"][0]):
             continue  # MoE's experts are a batched MLP: mlp_impl and mlp_type do not apply, one row
+        if v.mlp_impl == "sparse" and v.backend == "cuda" and not {"backend", "mlp_impl"} <= asked:
+            continue  # upstream refuses the sparse MLP with Triton >= 3.2 (stk's kernels overflow): ask for it
+        if v.mlp_impl == "sparse" and (v.layer == "MoE" or (QUICK_CONFIGS if quick else CONFIGS)[v.config]["ffn"] % 128):
+            continue  # the sparse MLP is dMoE's, in blocks of 128 columns of ffn (MegaBlocks' topology)
         if v.wgrad_fill != chosen["wgrad_fill"][0] and (v.layer, v.mlp_impl) != ("dMoE", "grouped"):
             continue  # only the grouped dMoE computes weight gradients with the grouped GEMM
         out.append(v)
@@ -206,7 +217,11 @@ class Case:
         self.device = device
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         torch.manual_seed(0)
-        self.layer = build_layer(c, layer, self.dtype, device, mlp_impl, mlp_type)
+        # MegaBlocks refuses mlp_impl="sparse" unless stk's matmuls are ours (patches/sparse-mlp-refusal.md):
+        # built under ascend; each variant then runs under its own backend. Same parameters as the
+        # grouped layer of the config (same initialisation, same layout), so they share a reference.
+        with backend_env("ascend") if mlp_impl == "sparse" else contextlib.nullcontext():
+            self.layer = build_layer(c, layer, self.dtype, device, mlp_impl, mlp_type)
         gen = torch.Generator(device=device).manual_seed(1)
         self.x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype).requires_grad_()
         self.g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype)
@@ -482,7 +497,7 @@ def table(rows):
     head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} {'type':4s} "
             f"{'fill':5s} {'wall ms':>8s} {'host ms':>8s} {'enq ms':>7s} {'kern ms':>8s} {'gemm ms':>8s} {'other ms':>8s} "
             f"{'floor ms':>8s} {'x floor':>7s} {'busy':>5s} {'syncs':>5s} {'launch':>6s} {'kernels':>7s} {'vs up':>6s} "
-            f"{'err':>8s} {'self':>8s}")
+            f"{'vs grp':>6s} {'err':>8s} {'self':>8s}")
     out = [head]
     for r in rows:
         if "error" in r:
@@ -493,7 +508,8 @@ def table(rows):
                    + " " + f(r, "floor_ms", ".3f", 8) + " " + f(r, "x_floor", ".2f", 6) + "x"
                    + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
                    + " " + f(r, "launches", "d", 6) + " " + f(r, "kernels", ".0f", 7)
-                   + " " + f(r, "vs_up", ".2f", 5) + "x " + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
+                   + " " + f(r, "vs_up", ".2f", 5) + "x " + f(r, "vs_grouped", ".2f", 5) + "x "
+                   + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
                    + ("" if r.get("ok", True) else "  FAIL"))
     return "\n".join(out)
 
@@ -531,9 +547,15 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
     rows = []
     default_fill = variants[0].wgrad_fill if variants else "empty"
     families = {}
-    for v in variants:
+    for v in sorted(variants, key=lambda v: v.mlp_impl != "grouped"):  # grouped first: sparse shares its reference
         families.setdefault(v.family, []).append(v)
+    grouped_refs = {}  # (config, layer, precision, mlp_type) -> the grouped family's reference results
     for family, members in families.items():
+        sparse = family[3] == "sparse"
+        if not sparse and any(f[3] == "sparse" and (f[:3], f[4]) == (family[:3], family[4]) for f in families):
+            keep_ref = (family[:3], family[4])
+        else:
+            keep_ref = None
         try:
             case = Case(family, device, settings.tokens, settings.configs)
         except Exception as e:  # noqa: BLE001
@@ -544,12 +566,20 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
 
         def eager_of(backend):
             return Variant(family[0], family[1], backend, "eager", family[2], family[3], family[4], default_fill)
-        ref_v = eager_of(reference_backend)
-        needed = set(members) | {ref_v} | {eager_of(v.backend) for v in members}
+        # The sparse MLP has no upstream step to compare with (MegaBlocks refuses it with Triton >= 3.2):
+        # its reference is the grouped family's (upstream's grouped step on the same parameters).
+        ref_v = None if sparse else eager_of(reference_backend)
+        needed = set(members) | ({ref_v} if ref_v else set()) | {eager_of(v.backend) for v in members}
         order = sorted(needed, key=lambda v: (v != ref_v, v.mode != "eager", v.backend, v.mode))
-        reference, eager = None, {}
+        reference, eager = (grouped_refs.pop((family[:3], family[4]), None) if sparse else None), {}
+        syncs = {}  # backend -> host syncs of its eager step
         for v in order:
             try:
+                if v.mode in ("graph", "compile-ro") and syncs.get(v.backend):
+                    # A capture of a step that reads the device on the host fails and can leave the
+                    # process unable to run later steps (on CUDA the RNG stays in capture state): refuse.
+                    raise RuntimeError(f"not captured: the eager step syncs the host {syncs[v.backend]} times "
+                                       "(torch.cuda.set_sync_debug_mode), which a graph capture cannot hold")
                 row, got = run_variant(v, case, reference, eager.get(v.backend), settings, device)
             except Exception as e:  # noqa: BLE001
                 row = dict(dataclasses.asdict(v), error=f"{type(e).__name__}: {str(e)[:500]}",
@@ -557,10 +587,13 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
                 got = None
             if v == ref_v:
                 reference = got
+                if keep_ref is not None and got is not None:
+                    grouped_refs[keep_ref] = got
             if v not in members:
                 row["reference_only"] = True
             if v.mode == "eager" and v.wgrad_fill == default_fill and got is not None:
                 eager[v.backend] = got
+                syncs[v.backend] = row.get("syncs")
             rows.append(row)
             log(f"  {v.name():55s} " + (f"ERROR {row['error'][:160]}" if "error" in row else
                                         f"wall {row.get('wall_ms', float('nan')):8.3f} ms  err {row.get('err', 0):.1e}"
@@ -571,14 +604,19 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         if save is not None:
             save(rows)
 
-    def key(r):
-        return r["config"], r["layer"], r["precision"], r["mlp_impl"], r["mlp_type"]
+    def key(r, impl=None):
+        return r["config"], r["layer"], r["precision"], impl or r["mlp_impl"], r["mlp_type"]
     upstream = {key(r): r["wall_ms"] for r in rows if r["backend"] == reference_backend
                 and r["mode"] == "eager" and r["wgrad_fill"] == default_fill and r.get("wall_ms")}
+    grouped = {key(r) + (r["backend"], r["mode"]): r["wall_ms"] for r in rows if r["mlp_impl"] == "grouped"
+               and r["wgrad_fill"] == default_fill and r.get("wall_ms")}
     for r in rows:
-        base = upstream.get(key(r))
+        base = upstream.get(key(r, "grouped" if r["mlp_impl"] == "sparse" else None))  # upstream has no sparse step
         if base and r.get("wall_ms"):
             r["vs_up"] = base / r["wall_ms"]
+        same = grouped.get(key(r, "grouped") + (r["backend"], r["mode"]))
+        if r["mlp_impl"] == "sparse" and same and r.get("wall_ms"):
+            r["vs_grouped"] = same / r["wall_ms"]  # > 1: the sparse step is faster than the grouped one
     return rows
 
 
@@ -624,7 +662,7 @@ def _one_step(layer, x, g):
 
 
 def precision_verdicts(config: str, layer: str, device: torch.device, tokens: int, configs: dict,
-                       backends_: tuple, dtype: torch.dtype = torch.bfloat16) -> dict:
+                       backends_: tuple, dtype: torch.dtype = torch.bfloat16, mlp_impl: str = "grouped") -> dict:
     """``{backend: [Verdict]}``: one ``dtype`` training step of ``layer`` at ``config`` with ``tokens``
     tokens run by each backend on ``device``, its output and every gradient judged against the same
     step on the CPU in float32 (golden) and in ``dtype`` (simulation), both through the ``torch``
@@ -633,7 +671,8 @@ def precision_verdicts(config: str, layer: str, device: torch.device, tokens: in
     from megablocks_ascend.bench import precision  # noqa: PLC0415
     c = configs[config]
     torch.manual_seed(0)
-    module = build_layer(c, layer, dtype, device)
+    with backend_env("ascend") if mlp_impl == "sparse" else contextlib.nullcontext():  # (see Case)
+        module = build_layer(c, layer, dtype, device, mlp_impl)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype).requires_grad_()
     g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype)
@@ -645,7 +684,8 @@ def precision_verdicts(config: str, layer: str, device: torch.device, tokens: in
     state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
     ref = {}
     for label, dt in (("simulation", dtype), ("golden", precision.golden_dtype(dtype))):
-        cpu = build_layer(c, layer, dt, torch.device("cpu"))
+        with backend_env("torch"):
+            cpu = build_layer(c, layer, dt, torch.device("cpu"), mlp_impl)
         cpu.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
         xc = x.detach().cpu().to(dt).requires_grad_()
         with backend_env("torch"):

@@ -265,9 +265,13 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
                                 if impl in alternatives(kind))
     graph_api, _ = timing.graph_api(plan.timing_device)
     modes = ("eager", "graph") if graph_api is not None else ("eager",)
-    variants = [steps.Variant(c, layer, b, mode, "bf16", "grouped", "mlp", "empty")
-                for c in plan.configs for layer in ("dMoE", "MoE") for b in names for mode in modes
-                if not (mode == "graph" and b == "torch")]  # (the reference's boolean indexing syncs)
+    variants = [steps.Variant(c, layer, b, mode, "bf16", impl, "mlp", "empty")
+                for c in plan.configs for layer, impl in (("dMoE", "grouped"), ("dMoE", "sparse"), ("MoE", "grouped"))
+                for b in names for mode in modes
+                if not (mode == "graph" and b == "torch")  # (the reference's boolean indexing syncs)
+                and not (impl == "sparse" and (b == "cuda" or plan.configs[c]["ffn"] % 128))]
+    # (the sparse dMoE: MegaBlocks' default mlp_impl; upstream refuses it with Triton >= 3.2, and its
+    # ffn must be a multiple of its 128-wide blocks)
     settings = steps.Settings(configs=plan.configs, tokens=plan.tokens, steps=plan.steps,
                               warmup=1 if plan.quick else 3, ceiling_gbps=ceiling)
     reference = "cuda" if kind == "cuda" else "torch"
@@ -280,18 +284,21 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
     verdicts = {}
     for c in plan.configs if plan.precision_configs is None else [c for c in plan.configs
                                                                   if c in plan.precision_configs]:
-        for layer in ("dMoE", "MoE"):
+        for layer, impl in (("dMoE", "grouped"), ("dMoE", "sparse"), ("MoE", "grouped")):
+            if impl == "sparse" and plan.configs[c]["ffn"] % 128:
+                continue
             try:
-                verdicts[(c, layer)] = steps.precision_verdicts(c, layer, plan.tensor_device,
-                                                                min(plan.tokens, plan.step_tokens_precision),
-                                                                plan.configs, names, plan.dtype)
+                verdicts[(c, layer, impl)] = steps.precision_verdicts(
+                    c, layer, plan.tensor_device, min(plan.tokens, plan.step_tokens_precision), plan.configs,
+                    tuple(b for b in names if impl == "grouped" or b != "cuda"), plan.dtype, impl)
             except Exception as e:  # noqa: BLE001
-                verdicts[(c, layer)] = e
+                verdicts[(c, layer, impl)] = e
     rows = []
     for r in raw:
         if r.get("reference_only") and r["backend"] not in names:
             continue
-        row = dict(section="steps", case=r["config"], item=f"{r['layer']} {r['mode']}",
+        layer = r["layer"] + ("-sparse" if r["mlp_impl"] == "sparse" else "")
+        row = dict(section="steps", case=r["config"], item=f"{layer} {r['mode']}",
                    impl=IMPL_OF_BACKEND[r["backend"]], ms=r.get("wall_ms"), graph_ms=None,
                    host_ms=r.get("host_ms"), kernels=r.get("kernels"), launches=r.get("launches"),
                    check_ok=r.get("ok", False) and "error" not in r, err_vs_reference=r.get("err"))
@@ -299,7 +306,7 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
             row["error"] = r["error"]
         if "not_timed" in r:
             row["why"] = f"not timed: {r['not_timed']}"
-        v = verdicts.get((r["config"], r["layer"]))
+        v = verdicts.get((r["config"], r["layer"], r["mlp_impl"]))
         if isinstance(v, Exception):
             row.update(precision_ok=False, precision_error=f"{type(v).__name__}: {str(v)[:300]}")
         elif v is not None and r["mode"] == "eager":

@@ -206,24 +206,28 @@ def _store(base, rows, cols, stride_r, stride_c, value, r_bound, c_bound,
 
 
 @kernel
-def _sdd(lhs, rhs, out, row_indices, column_indices,
+def _sdd(lhs, rhs, out, offsets, row_indices, column_indices,
          K, nnz, block_rows, block_cols, row_width,
          stride_lm, stride_lk, stride_rk, stride_rn, stride_ob, stride_om, stride_on,
          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
          GROUP: tl.constexpr, LHS_CM: tl.constexpr, RHS_CM: tl.constexpr, OUT_CM: tl.constexpr,
          EVEN_K: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """``out[b] = lhs[rows of b] @ rhs[:, columns of b]`` for every block ``b`` (tiles of it)."""
+    """``out[b] = lhs[rows of b] @ rhs[:, columns of b]`` for every live block ``b`` (tiles of it),
+    zeros for the spare blocks past ``offsets[block_rows]``."""
     TILES_N: tl.constexpr = BLOCK_SIZE // BLOCK_N
     TILES: tl.constexpr = (BLOCK_SIZE // BLOCK_M) * TILES_N
+    live = tl.minimum(tl.maximum(tl.load(offsets + block_rows), 0), nnz)
     for t in range(tl.program_id(0), nnz * TILES, tl.num_programs(0)):
-        b = _grouped(t // TILES, nnz, row_width, GROUP)
+        # Live blocks are grouped among themselves; the spare ones keep their order (_grouped).
+        b = _grouped(t // TILES, live, row_width, GROUP)
         sub = t % TILES
         m_in = (sub // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows and columns inside the block
         n_in = (sub % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = _index(row_indices, b, block_rows) * BLOCK_SIZE + m_in
         cols = _index(column_indices, b, block_cols) * BLOCK_SIZE + n_in
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_end = tl.where(b < live, K, 0)  # a spare block: no products, its tile stored as zeros
+        for k0 in range(0, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K, INT64)
             w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False, INT64)
@@ -415,7 +419,7 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None
     tiles = nnz * (b // t.block_m) * (b // t.block_n)
     _check_int32_extents(tiles, lhs=(max(m, k), t.block_k), rhs=(max(k, n), t.block_k))
     _sdd[_grid(device, tiles, t, num_programs)](
-        lhs, rhs, out, row_indices, column_indices,
+        lhs, rhs, out, offsets, row_indices, column_indices,
         k, nnz, m // b, n // b, max(1, nnz // max(m // b, 1)),
         lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_SIZE=b, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP=t.group,

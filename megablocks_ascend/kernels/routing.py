@@ -131,6 +131,8 @@ def _walk(bins, padded_bins, capacity, num_experts, num_items,
     if LAYOUT == _PADDED:
         rend = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
         rstart = tl.load(padded_bins + prev, mask=has_prev, other=0).to(tl.int32)
+        if WALK == _PADDING:  # rows past the last segment (a buffer sized above padded_bins[-1]) are padding
+            rend = tl.where(e == num_experts - 1, tl.maximum(rend, num_items), rend)
     elif LAYOUT == _DROPLESS:
         rend = pend
         rstart = pstart
@@ -923,12 +925,17 @@ def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, **launch):
     return _wgrad_any(x, grad, indices, bins, None, layout=DROPLESS, top_k=top_k, **launch)
 
 
-def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, **launch):
-    if top_k > 1 and indices.shape[0] and padded_bins.numel() and not devices.contiguous_stores(x.device):
-        # Launch the route map before the host waits for the output size; the token-major gather
-        # below finds it in the route-map cache, so only one launch follows the sync.
-        route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
-    num_rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
+def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, num_rows=None, **launch):
+    """MegaBlocks' ``padded_gather``; with ``num_rows`` (at least ``padded_bins[-1]``: the sparse
+    dMoE's static size) the output has that many rows, those past ``padded_bins[-1]`` zero, and
+    nothing is read on the host. Without it the row count is ``padded_bins[-1]``, read on the host
+    (upstream's semantics: a sync)."""
+    if num_rows is None:
+        if top_k > 1 and indices.shape[0] and padded_bins.numel() and not devices.contiguous_stores(x.device):
+            # Launch the route map before the host waits for the output size; the token-major gather
+            # below finds it in the route-map cache, so only one launch follows the sync.
+            route_map(indices, bins, padded_bins, layout=PADDED, num_programs=launch.get("num_programs"))
+        num_rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
     return _gather_any(x, indices, bins, padded_bins, weights, layout=PADDED, top_k=top_k,
                        num_rows=num_rows, **launch)
 

@@ -51,6 +51,7 @@ ORDER = (
     "shared_expert_bias",
     "llmfoundry_device_mesh",
     "routing_preparation",
+    "sparse_static_sizes",
 )
 
 MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ORDER)

@@ -18,7 +18,9 @@ def apply(p: Patch) -> None:
         current = getattr(upstream, name, None)
         if current is None:
             raise PatchError(f"{target} is missing")
-        expected = tuple(inspect.signature(fn).parameters)
+        # Upstream's parameters: ours without the optional ones we add after them (padded_gather's num_rows).
+        expected = tuple(n for n, prm in inspect.signature(fn).parameters.items()
+                         if prm.default is inspect.Parameter.empty)
         if hasattr(current, "__self__") and isinstance(current.__self__, type):  # Function.apply
             expect_params(target, current.__self__.forward, ("ctx",) + expected)
         else:

@@ -10,7 +10,10 @@ block ``i`` holds ``data[i]`` at block row ``row_indices[i]`` and block column
 transposed metadata (``offsets_t``, ``column_indices_t``, ``block_offsets_t``) lists the same
 blocks in column order; this module does not read it: the blocks' coordinates come from
 ``row_indices`` and ``column_indices`` alone (swapped, with each block transposed, for a
-transposed operand), so a kernel that misreads the transposed metadata disagrees with it.
+transposed operand), so a kernel that misreads the transposed metadata disagrees with it. Of
+``offsets`` it reads only the last entry: the number of blocks that belong to the matrix. A
+topology built at a size the host knows (the sparse dMoE's, ``kernels/topology.py``) has spare
+blocks past ``offsets[-1]``: ``sdd`` writes them as zeros and the products leave them out.
 
 Autocast: the products are float32 whatever autocast says (``torch.bmm`` would otherwise run in
 the autocast dtype; MegaBlocks' memory-optimized backward calls ``dsd`` with autocast on).
@@ -47,26 +50,34 @@ def _chunks(n: int, elements_per_block: int):
         yield slice(start, min(n, start + step))
 
 
-def _blocks(data, row_indices, column_indices, transpose):
+def _live(offsets, nnz):
+    """Which of the ``nnz`` blocks belong to the matrix: the first ``offsets[-1]`` (a static-size
+    topology's spare blocks past it are no part of it; stk's own matrices have none)."""
+    return torch.arange(nnz, device=offsets.device) < offsets[-1].clamp(0, nnz)
+
+
+def _blocks(data, offsets, row_indices, column_indices, transpose):
     """The blocks of the matrix as seen (transposed or not): (block rows, block columns, a
-    function giving the float32 blocks of a chunk)."""
+    function giving the float32 blocks of a chunk, the spare blocks as zeros)."""
     rows, cols = row_indices.long(), column_indices.long()
+    live = _live(offsets, data.shape[0])[:, None, None]
     if transpose:
-        return cols, rows, lambda s: data[s].transpose(1, 2).float()
-    return rows, cols, lambda s: data[s].float()
+        return cols, rows, lambda s: torch.where(live[s], data[s].transpose(1, 2).float(), 0.0)
+    return rows, cols, lambda s: torch.where(live[s], data[s].float(), 0.0)
 
 
 @_float32
 def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices):
     """``out[i] = (lhs @ rhs)`` restricted to block ``i``: the blocks of a dense product that the
-    topology keeps."""
+    topology keeps; zeros for the spare blocks past ``offsets[-1]``."""
     block = out.shape[1]
     k = lhs.shape[1]
     a = lhs.unflatten(0, (lhs.shape[0] // block, block))  # [M/B, B, K]
     b = rhs.unflatten(1, (rhs.shape[1] // block, block)).permute(1, 0, 2)  # [N/B, K, B]
     rows, cols = row_indices.long(), column_indices.long()
+    live = _live(offsets, out.shape[0])[:, None, None]
     for s in _chunks(out.shape[0], block * (2 * k + block)):
-        out[s] = torch.bmm(a[rows[s]].float(), b[cols[s]].float()).to(out.dtype)
+        out[s] = torch.where(live[s], torch.bmm(a[rows[s]].float(), b[cols[s]].float()), 0.0).to(out.dtype)
 
 
 @_float32
@@ -77,7 +88,7 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
     m, k = shape
     block = data.shape[1]
     n = rhs.shape[1]
-    a_rows, a_cols, blocks = _blocks(data, row_indices, column_indices, transpose_a)
+    a_rows, a_cols, blocks = _blocks(data, offsets, row_indices, column_indices, transpose_a)
     r = rhs.unflatten(0, (k // block, block))  # [K/B, B, N]
     acc = torch.zeros((m // block, block, n), dtype=torch.float32, device=out.device)
     for s in _chunks(data.shape[0], block * (block + 2 * n)):
@@ -93,7 +104,7 @@ def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, colum
     m = lhs.shape[0]
     n = shape[1]
     block = data.shape[1]
-    b_rows, b_cols, blocks = _blocks(data, row_indices, column_indices, transpose_b)
+    b_rows, b_cols, blocks = _blocks(data, offsets, row_indices, column_indices, transpose_b)
     a = lhs.unflatten(1, (lhs.shape[1] // block, block)).permute(1, 0, 2)  # [K/B, M, B]
     acc = torch.zeros((n // block, m, block), dtype=torch.float32, device=out.device)
     for s in _chunks(data.shape[0], block * (2 * m + block)):
@@ -109,3 +120,27 @@ def row_indices(shape, data, offsets, column_indices, out):
     bounds = offsets.long()
     rows = torch.searchsorted(bounds, j, right=True) - 1
     out.copy_(torch.where(j < bounds[-1], rows, out.long()).to(out.dtype))
+
+
+def topology(padded_bins, block_size, block_rows, blocks_per_row):
+    """The sparse dMoE's topology with ``block_rows`` block rows (``kernels/topology.py`` says what
+    each tensor holds): the live blocks from a search of each block row's expert, the transpose from
+    a stable sort of the live blocks by column and a count of each column's blocks, as upstream's
+    ``ParallelDroplessMLP.topology`` / ``sparse_transpose`` build it."""
+    device = padded_bins.device
+    bpr = blocks_per_row
+    ends = (padded_bins.long() // block_size).clamp(0, block_rows)  # each expert's block-row end
+    live_rows = ends[-1]
+    b = torch.arange(block_rows * bpr, device=device)
+    r, k = b // bpr, b % bpr
+    live = r < live_rows
+    expert = torch.searchsorted(ends, r, right=True)
+    column_indices = torch.where(live, expert * bpr + k, k)
+    offsets = torch.arange(block_rows + 1, device=device).clamp(max=live_rows) * bpr
+    columns = ends.shape[0] * bpr
+    order = torch.sort(torch.where(live, column_indices, columns), stable=True).indices  # spare blocks last
+    counts = torch.zeros(columns + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, torch.where(live, column_indices, columns), torch.ones_like(b))
+    offsets_t = torch.cat([counts.new_zeros(1), counts[:columns].cumsum(0)])
+    return (r.to(torch.int16), column_indices.to(torch.int16), offsets.int(), r[order].to(torch.int16),
+            offsets_t.int(), order.int())

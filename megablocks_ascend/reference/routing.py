@@ -100,8 +100,9 @@ def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k):
     return _wgrad(x, grad, slot_rows(indices, bins, bins), top_k)
 
 
-def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k):
-    num_rows = int(padded_bins[-1].item())
+def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, num_rows=None):
+    if num_rows is None:  # upstream's size, read on the host
+        num_rows = int(padded_bins[-1].item())
     return _gather(x, indices, weights, slot_rows(indices, bins, padded_bins), num_rows, top_k)
 
 

@@ -116,6 +116,11 @@ def _constexprs(spec: KernelSpec, axes: dict, experts: int) -> tuple[dict, dict 
     if spec.module == "grouped":
         block = fill_block(axes["dtype"])
         constexprs.update(BLOCK=block, EVEN=FILL_ROWS * axes["hidden"] % block == 0)
+    elif spec.module == "topology":
+        from megablocks_ascend.kernels import topology  # noqa: PLC0415
+        block_i, block_k = topology.tile(axes["BPR"])
+        constexprs.update(BLOCK_SIZE=CUBE_BLOCK, BLOCK_I=block_i, BLOCK_K=block_k, CHUNK=topology.CHUNK)
+        return constexprs, None  # (its BLOCK_K is the tile's block width, not a slot axis)
     elif spec.kind is not None:
         t = devices.tile(spec.kind, getattr(torch, DTYPES[axes["dtype"]][1]), axes["hidden"], "npu",
                          **tile_args(spec, axes, experts))

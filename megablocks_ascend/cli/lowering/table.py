@@ -1,7 +1,7 @@
 """The gate's table: which kernels it compiles, over which axes, for which representative problem.
 
 One :class:`KernelSpec` per Triton kernel of :mod:`megablocks_ascend.kernels` (``routing``,
-``preparation``, ``blocksparse``, ``grouped``): its configuration axes (dtype, hidden size and
+``preparation``, ``blocksparse``, ``grouped``, ``topology``): its configuration axes (dtype, hidden size and
 every constexpr its launchers choose), the constexprs derived from them (tile sizes, ``BLOCK_E``),
 which pointers carry data, what the gate checks of its IR, and its scalar arguments for the
 representative :class:`Problem` (a function of the problem, so a new kernel is one entry).
@@ -285,4 +285,20 @@ GROUPED_KERNELS = (
                ("BLOCK", "EVEN"), ("out",), False, _fill, module="grouped", ptr_types=(("ends", "*i64"),),
                hot_step="BLOCK", no_scalar_hot=True),
 )
-KERNELS = ROUTING_KERNELS + PREPARATION_KERNELS + CUBE_KERNELS + GROUPED_KERNELS
+# The sparse dMoE's topology (kernels/topology.py): one launch writing stk's six index tensors from
+# padded_bins. BPR: blocks per row (ffn / 128) of the fine-grained configs and of a mixtral-sized
+# expert (qw128 6, ds64 11, 2048-wide 16, mixtral 112); the representative topology has the padded
+# problem's block rows plus one expert's worth of spare ones.
+TOPOLOGY_BPR = (6, 11, 16, 112)
+
+
+def _topology(p: Problem) -> dict:
+    return dict(num_experts=p.experts, block_rows=(p.positions + PADDED_EXTRA) // CUBE_BLOCK + 8)
+
+
+TOPOLOGY_KERNELS = (
+    KernelSpec("_topology", None, dict(BPR=TOPOLOGY_BPR), ("BLOCK_SIZE", "BLOCK_I", "BLOCK_K", "CHUNK"), (), False,
+               _topology, module="topology", hot_step="BLOCK_I", no_scalar_hot=True,
+               ptr_types=(("row_indices", "*i16"), ("column_indices", "*i16"), ("column_indices_t", "*i16"))),
+)
+KERNELS = ROUTING_KERNELS + PREPARATION_KERNELS + CUBE_KERNELS + GROUPED_KERNELS + TOPOLOGY_KERNELS
