@@ -87,19 +87,16 @@ KINDS = {"sdd": "sdd", "dsd": "dsd", "dsdT": "dsd"}  # call form -> devices.cube
 
 T_ = devices.CubeTile
 SWEEP = {  # candidate tiles per call form (2-byte operands, block size 128); the first is the default
-    "sdd": [T_(128, 128, 64, 8, 8, 3, 2), T_(128, 128, 64, 8, 4, 4, 2), T_(128, 128, 64, 8, 8, 4, 1),
-            T_(128, 128, 32, 8, 4, 4, 2), T_(128, 128, 64, 1, 8, 3, 2), T_(128, 128, 128, 8, 8, 2, 1)],
-    "dsd": [T_(128, 256, 64, 8, 8, 3, 1), T_(128, 128, 64, 8, 4, 4, 2), T_(128, 128, 64, 8, 8, 4, 2),
-            T_(128, 256, 64, 8, 8, 4, 1), T_(128, 256, 32, 8, 8, 4, 1), T_(64, 256, 64, 8, 4, 4, 2),
-            T_(128, 256, 128, 8, 8, 2, 1)],  # one K-step per block: half the steps of a short row
+    # sdd: pairs of blocks as one 128 x 256 tile (devices.CubeTile.pairs), against single blocks
+    "sdd": [T_(128, 128, 64, 8, 8, 4, 1, pairs=True), T_(128, 128, 64, 8, 8, 3, 1, pairs=True),
+            T_(128, 128, 64, 4, 8, 4, 1, pairs=True), T_(128, 128, 64, 16, 8, 4, 1, pairs=True),
+            T_(128, 128, 64, 8, 8, 3, 2), T_(128, 128, 64, 8, 4, 4, 2)],
+    # dsd: affine runs computed (devices.CubeTile.affine), against loaded at every K-step
+    "dsd": [T_(128, 256, 64, 8, 8, 3, 1, affine=True), T_(128, 256, 64, 8, 8, 4, 1, affine=True),
+            T_(128, 256, 128, 8, 8, 2, 1, affine=True), T_(128, 256, 64, 8, 8, 3, 1)],
+    "dsdT": [T_(128, 256, 64, 8, 8, 3, 1, affine=True), T_(128, 256, 64, 8, 8, 4, 1, affine=True),
+             T_(128, 256, 64, 4, 8, 3, 1, affine=True), T_(128, 256, 128, 8, 8, 2, 1)],
 }
-# The weight gradients' K loops are short (one expert's block column): besides dsd's candidates,
-# 128 x 128 tiles with two programs per SM (smem and registers allow two), so that one program's
-# epilogue overlaps the other's main loop.
-SWEEP["dsdT"] = list(dict.fromkeys(  # the first: the transposed table's default (devices.py)
-    [T_(128, 256, 128, 8, 8, 2, 1)] + SWEEP["dsd"]
-    + [T_(128, 128, 64, 8, 8, 3, 2), T_(128, 128, 64, 8, 4, 3, 2), T_(64, 256, 64, 8, 4, 2, 2),
-       T_(128, 256, 64, 8, 8, 2, 1), T_(128, 128, 128, 8, 8, 2, 1)]))
 QUICK_SWEEP = {"sdd": [T_(128, 128, 128), T_(64, 64, 64, 2)]}
 TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}  # relative Frobenius error
 
@@ -501,7 +498,7 @@ def _stk_status(s: dict) -> str:
 def _tile_label(t) -> str:
     d = t if isinstance(t, dict) else dataclasses.asdict(t)
     return (f"{d['block_m']}x{d['block_n']}x{d['block_k']} g{d['group']} w{d['num_warps']} s{d['num_stages']} "
-            f"p{d['programs_per_sm']}")
+            f"p{d['programs_per_sm']}" + (" pairs" if d.get("pairs") else "") + (" affine" if d.get("affine") else ""))
 
 
 # ------------------------------------------------------------------------------------------

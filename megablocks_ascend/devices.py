@@ -389,6 +389,10 @@ class CubeTile:
     num_warps: int = 4  # CUDA only
     num_stages: int = 3  # CUDA only (software pipelining depth of the K loop)
     programs_per_sm: int = 1  # CUDA only: programs per SM in the persistent grid
+    # CUDA only (kernels/blocksparse.py): sdd computes two blocks of a row as one tile (block_n must be
+    # the block size); dsd computes the addresses of a line that is one affine run instead of loading them.
+    pairs: bool = False
+    affine: bool = False
 
 
 def cube_bytes(tile: CubeTile, element_size: int) -> dict:
@@ -455,28 +459,28 @@ CUBE_GROUP = 8
 
 
 # CUDA (NVIDIA). Per kind: (tile for 2-byte operands, tile for fp32 operands) at block size 128;
-# smaller blocks clip the sides that lie inside a block. Starting points, not yet measured: the usual
-# Hopper matmul shapes (128 x 256 x 64 with 8 warps and 3 stages where the output tile may be that
-# wide; 128 x 128 x 64, two programs per SM, inside a block). benchmarks/bench_blocksparse.py sweeps
-# candidates on an H200; its best per call form is what belongs here
-# (docs/notes/blocksparse-kernels.md).
+# smaller blocks clip the sides that lie inside a block. benchmarks/bench_blocksparse.py sweeps
+# candidates on an H200; its best per call form is what belongs here (docs/notes/blocksparse-kernels.md).
+# 2-byte operands, measured on an H200 against torch._grouped_mm over the same padded groups
+# (docs/notes/sparse-dmoe.md): sdd over pairs of blocks (128 x 256 tiles; 1.21x -> 1.10x the grouped
+# GEMM's time at the mixtral-like shape, 1.10x -> ~1.0x at the fine one), dsd with affine runs
+# computed (its weight-gradient form 1.17-1.21x -> 1.00x; 1.06x -> 1.04x forward). fp32: unmeasured.
 CUDA_CUBE_TILES = {
-    "sdd": (CubeTile(128, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=2),
+    "sdd": (CubeTile(128, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1, pairs=True),
             CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=2)),
-    "dsd": (CubeTile(128, 256, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1),
+    "dsd": (CubeTile(128, 256, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1, affine=True),
             CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=1)),
     "dds": (CubeTile(256, 128, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1),
             CubeTile(128, 128, 32, group=8, num_warps=8, num_stages=3, programs_per_sm=1)),
 }
 # The same kinds with the sparse operand transposed (``dsd(S.t(), x)``: the sparse dMoE's weight
 # gradients). Their K loops are short (one block column of one expert: ~2k deep at the mixtral-like
-# shape, against ~14k for the forward dsd), so each tile's epilogue weighs more and a tile that lets
-# two programs share an SM, one storing while the other multiplies, can win. Kinds without an
-# entry here use CUDA_CUBE_TILES. Measured on an H200 (benchmarks/results/h200-bs2.log, sweep):
-# 128 x 256 x 128 (one K step per block), 2 stages, took dsd^T from 66% to 77% of a dense cuBLAS
-# matmul of the same FLOPs at the mixtral-like shape (4.30 -> 3.75 ms), 70% -> 80% at the fine one.
+# shape, against ~14k for the forward dsd). Kinds without an entry here use CUDA_CUBE_TILES. With
+# the addresses loaded at every K-step, 128 x 256 x 128 in 2 stages was the best (3.75 ms at the
+# mixtral-like shape, benchmarks/results/h200-bs2.log); with affine runs computed, the loads
+# pipeline and 128 x 256 x 64 in 3 stages takes 3.25 ms, the grouped GEMM's time.
 CUDA_CUBE_TILES_TRANSPOSED: dict[str, tuple[CubeTile, CubeTile]] = {
-    "dsd": (CubeTile(128, 256, 128, group=8, num_warps=8, num_stages=2, programs_per_sm=1),
+    "dsd": (CubeTile(128, 256, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1, affine=True),
             CUDA_CUBE_TILES["dsd"][1]),
 }
 

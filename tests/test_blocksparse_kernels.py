@@ -244,6 +244,40 @@ def test_tiles_inside_blocks_and_grids(num_programs, group):
         assert_close(*run_dds(topo, 24, dtype, gen, transpose, tile=tiles["dds"], **launch), dtype, "dds")
 
 
+# The CUDA forms (devices.CUDA_CUBE_TILES): sdd over pairs of blocks (one tile when the two share
+# a row, each on its own otherwise), dsd with the addresses of a line that is one affine run computed
+# (the other lines loaded as without it). Small tiles, so the interpreter runs them here.
+PAIR_TILE = devices.CubeTile(16, 32, 16, group=2, pairs=True)
+AFFINE_TILE = devices.CubeTile(16, 32, 16, group=2, affine=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_cuda_forms(pattern, dtype):
+    """Random and holed patterns mix pairs across rows and lines that are no run; MegaBlocks'
+    pattern is made of runs (odd blocks per row: some pairs straddle two rows)."""
+    gen = torch.Generator().manual_seed(8)
+    topo = make_topology(pattern, 5, 9, 32, gen)  # MegaBlocks': 3 blocks per row
+    for num_programs in (1, 3):
+        launch = dict(num_programs=num_programs)
+        assert_close(*run_sdd(topo, 40, dtype, gen, "row", "col", tile=PAIR_TILE, **launch), dtype,
+                     f"sdd pairs {pattern}")
+        for transpose in (False, True):
+            assert_close(*run_dsd(topo, 40, dtype, gen, transpose, tile=AFFINE_TILE, **launch), dtype,
+                         f"dsd affine {pattern} T={transpose}")
+
+
+def test_affine_runs_are_checked_entry_by_entry():
+    """A line whose first and last entries look like a run but whose middle does not: loaded entry by
+    entry, not computed (a wrong guess would read the wrong blocks)."""
+    gen = torch.Generator().manual_seed(9)
+    blocks = [(0, 0), (0, 1), (0, 3), (1, 0), (1, 2), (1, 3)]  # row 0: columns 0, 1, 3 (not a run)
+    topo = topology((64, 128), 32, blocks)
+    for transpose in (False, True):
+        assert_close(*run_dsd(topo, 24, torch.float32, gen, transpose, tile=AFFINE_TILE), torch.float32,
+                     f"dsd affine T={transpose}")
+
+
 @pytest.mark.parametrize("dense", [1, 17, 100])
 def test_dense_dimensions_of_any_size(dense):
     """The product's dense dimension (sdd's K, dsd's N, dds's M: the hidden size in a dMoE) need

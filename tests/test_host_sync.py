@@ -220,6 +220,34 @@ def test_fingerprint_ignores_comments_and_layout_only():
     assert mlp.GroupedMLP.forward is not original  # the patch is in place
 
 
+_FSTRINGS = "def f(x):\n    return f\"a {x!r} b {x:>{3}}\" + f\"\"\"q {f'{x}'}\"\"\"  # nested\n"
+
+
+def test_fingerprint_of_fstrings_does_not_depend_on_the_python_version():
+    """From Python 3.12 an f-string is several tokens (PEP 701), before one: the fingerprint joins
+    them back into their source text, so a patch of a body with f-strings (MegaBlocks' topology)
+    installs under every Python. Checked against every other CPython found on PATH (skipped when
+    there is none)."""
+    import shutil
+    import subprocess
+    import sys
+    assert registry._fingerprint(_FSTRINGS) != registry._fingerprint(_FSTRINGS.replace("a {x!r}", "a {x}"))
+    def version(python):  # None where it does not run (a pyenv shim of a version not selected, say)
+        r = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+    others = [p for p in (shutil.which(f"python3.{minor}") for minor in (12, 13, 14)) if p]
+    others = [p for p in others if version(p) not in (None, str(tuple(sys.version_info[:2])))]
+    if not others:
+        pytest.skip("no other CPython 3.12+ on PATH")
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('r', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(s); sys.modules['r'] = m; s.loader.exec_module(m); "
+            "print(m._fingerprint(sys.argv[2]))")
+    for python in others:
+        out = subprocess.run([python, "-c", code, registry.__file__, _FSTRINGS], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == registry._fingerprint(_FSTRINGS), python
+
+
 def test_patch_refuses_a_changed_upstream_forward(upstream_grouped_forwards, monkeypatch):
     from megablocks.layers import mlp
     patch = grouped_mlp_device_sizes.PATCH

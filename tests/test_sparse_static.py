@@ -122,7 +122,15 @@ def test_static_sizes_give_exact_sizes_results(name, backend, dtype, device, mon
         layer, args = _layer(name, dtype, device)
         runs[sizes] = _results(layer, args, x, backend)
     for i, (a, b) in enumerate(zip(runs["static"], runs["exact"])):
-        assert a.dtype == b.dtype and torch.equal(a, b), (i, (a.double() - b.double()).abs().max())
+        assert a.dtype == b.dtype, i
+        if device.type == "cuda" and ("memopt" in name or backend == "torch"):
+            # Not bit for bit on CUDA (seen on an H200): the memory-optimized backward's
+            # torch.jit-scripted gelu_backward_ is fused per shape, and the torch backend's index_add_
+            # accumulates with atomics; the block-sparse and routing kernels themselves are exact.
+            err = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+            assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (i, err)
+        else:
+            assert torch.equal(a, b), (i, (a.double() - b.double()).abs().max())
 
 
 @pytest.mark.parametrize("top_k,experts,tokens", [(1, 4, 8), (4, 8, 5), (8, 8, 3)])

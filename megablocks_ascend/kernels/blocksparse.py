@@ -205,35 +205,140 @@ def _store(base, rows, cols, stride_r, stride_c, value, r_bound, c_bound,
 # The kernels.
 
 
+@triton.jit
+def _sdd_blocks(lhs, rhs, out, row_indices, column_indices, b, live, m_in, n_in,
+                K, block_rows, block_cols, stride_lm, stride_lk, stride_rk, stride_rn, stride_ob, stride_om, stride_on,
+                BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                LHS_CM: tl.constexpr, RHS_CM: tl.constexpr, OUT_CM: tl.constexpr, EVEN_K: tl.constexpr,
+                INT64: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """The ``[BLOCK_M, BLOCK_N]`` tile ``(m_in, n_in)`` of block ``b``: its products over K, or zeros
+    for a spare block (``b >= live``)."""
+    rows = _index(row_indices, b, block_rows) * BLOCK_SIZE + m_in
+    cols = _index(column_indices, b, block_cols) * BLOCK_SIZE + n_in
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.where(b < live, K, 0)  # a spare block: no products, its tile stored as zeros
+    for k0 in range(0, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K, INT64)
+        w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False, INT64)
+        acc = _dot(a, w, acc, PRECISION, WIDEN)
+    _store(out + _widen(b, INT64) * stride_ob, m_in, n_in, stride_om, stride_on,
+           acc.to(out.dtype.element_ty), 0, 0, OUT_CM, False, False, INT64)
+
+
 @kernel
 def _sdd(lhs, rhs, out, offsets, row_indices, column_indices,
          K, nnz, block_rows, block_cols, row_width,
          stride_lm, stride_lk, stride_rk, stride_rn, stride_ob, stride_om, stride_on,
          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
          GROUP: tl.constexpr, LHS_CM: tl.constexpr, RHS_CM: tl.constexpr, OUT_CM: tl.constexpr,
-         EVEN_K: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+         EVEN_K: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+         PAIRS: tl.constexpr):
     """``out[b] = lhs[rows of b] @ rhs[:, columns of b]`` for every live block ``b`` (tiles of it),
-    zeros for the spare blocks past ``offsets[block_rows]``."""
+    zeros for the spare blocks past ``offsets[block_rows]``. ``PAIRS``: a tile is ``BLOCK_M`` rows of
+    the blocks ``2p`` and ``2p + 1``, one ``[BLOCK_M, 2 * BLOCK_SIZE]`` product when they lie in the same
+    block row (each of MegaBlocks' rows is a run of blocks), each block on its own otherwise."""
     TILES_N: tl.constexpr = BLOCK_SIZE // BLOCK_N
     TILES: tl.constexpr = (BLOCK_SIZE // BLOCK_M) * TILES_N
     live = tl.minimum(tl.maximum(tl.load(offsets + block_rows), 0), nnz)
-    for t in range(tl.program_id(0), nnz * TILES, tl.num_programs(0)):
-        # Live blocks are grouped among themselves; the spare ones keep their order (_grouped).
-        b = _grouped(t // TILES, live, row_width, GROUP)
-        sub = t % TILES
-        m_in = (sub // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows and columns inside the block
-        n_in = (sub % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = _index(row_indices, b, block_rows) * BLOCK_SIZE + m_in
-        cols = _index(column_indices, b, block_cols) * BLOCK_SIZE + n_in
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_end = tl.where(b < live, K, 0)  # a spare block: no products, its tile stored as zeros
-        for k0 in range(0, k_end, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K, INT64)
-            w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False, INT64)
-            acc = _dot(a, w, acc, PRECISION, WIDEN)
-        _store(out + _widen(b, INT64) * stride_ob, m_in, n_in, stride_om, stride_on,
-               acc.to(out.dtype.element_ty), 0, 0, OUT_CM, False, False, INT64)
+    if PAIRS:  # (BLOCK_N == BLOCK_SIZE: whole blocks, side by side)
+        TILES_M: tl.constexpr = BLOCK_SIZE // BLOCK_M
+        pairs = (nnz + 1) // 2
+        m_tile = tl.arange(0, BLOCK_M)
+        n_pair = tl.arange(0, 2 * BLOCK_SIZE)
+        hi = n_pair >= BLOCK_SIZE
+        n_half = n_pair - tl.where(hi, BLOCK_SIZE, 0)
+        for t in range(tl.program_id(0), pairs * TILES_M, tl.num_programs(0)):
+            # Live pairs are grouped among themselves, in lines of half a row (as blocks are, below).
+            p = _grouped(t // TILES_M, (live + 1) // 2, tl.maximum(row_width // 2, 1), GROUP)
+            m_in = (t % TILES_M) * BLOCK_M + m_tile
+            b0 = 2 * p
+            b1 = b0 + 1
+            same_row = _index(row_indices, b0, block_rows) == _index(row_indices, tl.minimum(b1, nnz - 1), block_rows)
+            if (b1 < live) & same_row:
+                rows = _index(row_indices, b0, block_rows) * BLOCK_SIZE + m_in
+                cols = tl.where(hi, _index(column_indices, b1, block_cols), _index(column_indices, b0, block_cols))
+                cols = cols * BLOCK_SIZE + n_half
+                acc = tl.zeros((BLOCK_M, 2 * BLOCK_SIZE), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    a = _load(lhs, rows, ks, stride_lm, stride_lk, 0, K, LHS_CM, False, not EVEN_K, INT64)
+                    w = _load(rhs, ks, cols, stride_rk, stride_rn, K, 0, RHS_CM, not EVEN_K, False, INT64)
+                    acc = _dot(a, w, acc, PRECISION, WIDEN)
+                # the two halves are blocks b0 and b1 = b0 + 1
+                blk = _widen(b0 + hi.to(tl.int32), INT64)
+                ptrs = out + blk[None, :] * stride_ob + _widen(m_in, INT64)[:, None] * stride_om \
+                    + _widen(n_half, INT64)[None, :] * stride_on
+                tl.store(ptrs, acc.to(out.dtype.element_ty))
+            else:
+                for h in range(2):
+                    b = b0 + h
+                    if b < nnz:
+                        _sdd_blocks(lhs, rhs, out, row_indices, column_indices, b, live, m_in,
+                                    tl.arange(0, BLOCK_SIZE), K, block_rows, block_cols, stride_lm, stride_lk,
+                                    stride_rk, stride_rn, stride_ob, stride_om, stride_on, BLOCK_SIZE, BLOCK_M,
+                                    BLOCK_SIZE, BLOCK_K, LHS_CM, RHS_CM, OUT_CM, EVEN_K, INT64, PRECISION, WIDEN)
+    else:
+        for t in range(tl.program_id(0), nnz * TILES, tl.num_programs(0)):
+            # Live blocks are grouped among themselves; the spare ones keep their order (_grouped).
+            b = _grouped(t // TILES, live, row_width, GROUP)
+            sub = t % TILES
+            m_in = (sub // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows and columns inside the block
+            n_in = (sub % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+            _sdd_blocks(lhs, rhs, out, row_indices, column_indices, b, live, m_in, n_in, K, block_rows, block_cols,
+                        stride_lm, stride_lk, stride_rk, stride_rn, stride_ob, stride_om, stride_on, BLOCK_SIZE,
+                        BLOCK_M, BLOCK_N, BLOCK_K, LHS_CM, RHS_CM, OUT_CM, EVEN_K, INT64, PRECISION, WIDEN)
+
+
+@triton.jit
+def _run(indices, block_offsets, start, end, nnz, k_blocks, GATHER: tl.constexpr, CHECK: tl.constexpr):
+    """Whether the entries ``start .. end`` of a line (a block row, or through the transpose a block
+    column) are one affine run: block column (row) ``first + i`` and block ``base + i * step`` for its
+    ``i``-th entry (``base = start``, ``step = 1`` when not ``GATHER``), every one in range. MegaBlocks'
+    topology is made of such runs (a row is an expert's consecutive columns; a column holds its
+    expert's consecutive rows, ``blocks_per_row`` blocks apart). Read with vector loads, ``CHECK``
+    entries at a time; returns ``(run, first, base, step)``."""
+    at = tl.minimum(start, nnz - 1)
+    first = tl.load(indices + at).to(tl.int32)
+    if GATHER:
+        base = tl.load(block_offsets + at).to(tl.int32)
+        step = tl.load(block_offsets + tl.minimum(at + 1, nnz - 1)).to(tl.int32) - base
+    else:
+        base = start
+        step = 1
+    lanes = tl.arange(0, CHECK)
+    bad = tl.zeros((CHECK,), tl.int32)
+    for j0 in range(start, end, CHECK):
+        j = j0 + lanes
+        inside = j < end
+        i = j - start
+        v = tl.load(indices + j, mask=inside, other=0).to(tl.int32)
+        wrong = (v != first + i) | (v < 0) | (v >= k_blocks)
+        if GATHER:
+            blk = tl.load(block_offsets + j, mask=inside, other=0).to(tl.int32)
+            wrong = wrong | (blk != base + i * step) | (blk < 0) | (blk >= nnz)
+        bad = bad | (inside & wrong).to(tl.int32)
+    return tl.max(bad, axis=0) == 0, first, base, step
+
+
+@triton.jit
+def _dsd_step(acc, s, start, data, rhs, indices, block_offsets, m_in, cols, N, nnz, k_blocks,
+              stride_db, stride_am, stride_ak, stride_rk, stride_rn,
+              BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, A_CM: tl.constexpr,
+              RHS_CM: tl.constexpr, EVEN_N: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
+              WIDEN: tl.constexpr):
+    """K-step ``s`` of a line from ``start``: its block and block column loaded from the metadata."""
+    KSUB: tl.constexpr = BLOCK_SIZE // BLOCK_K
+    j = start + s // KSUB
+    k_in = (s % KSUB) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if GATHER:
+        blk = _index(block_offsets, j, nnz)
+    else:
+        blk = j
+    a = _load(data + _widen(blk, INT64) * stride_db, m_in, k_in, stride_am, stride_ak, 0, 0, A_CM, False, False, INT64)
+    ks = _index(indices, j, k_blocks) * BLOCK_SIZE + k_in
+    w = _load(rhs, ks, cols, stride_rk, stride_rn, 0, N, RHS_CM, False, not EVEN_N, INT64)
+    return _dot(a, w, acc, PRECISION, WIDEN)
 
 
 @kernel
@@ -243,10 +348,13 @@ def _dsd(data, rhs, out, offsets, indices, block_offsets,
          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
          GROUP: tl.constexpr, GATHER: tl.constexpr, A_CM: tl.constexpr, RHS_CM: tl.constexpr,
          OUT_CM: tl.constexpr, EVEN_N: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
-         WIDEN: tl.constexpr):
+         WIDEN: tl.constexpr, AFFINE: tl.constexpr):
     """``out = op(S) @ rhs``: block row ``r`` of ``op(S)`` is the list ``offsets[r] .. offsets[r+1]``
     of (block ``block_offsets[j]`` if ``GATHER`` else ``j``, at block column ``indices[j]``); element
-    ``(m, k)`` of a block is ``data[block, 0, 0] + m * stride_am + k * stride_ak``."""
+    ``(m, k)`` of a block is ``data[block, 0, 0] + m * stride_am + k * stride_ak``. ``AFFINE``: a row
+    whose list is one affine run (:func:`_run`) computes its blocks' and columns' addresses instead of
+    loading them at every K-step, which lets the loads pipeline; the other rows load them in a loop
+    that is not pipelined (two pipelined loops would not fit in shared memory together)."""
     TILES_M: tl.constexpr = BLOCK_SIZE // BLOCK_M
     KSUB: tl.constexpr = BLOCK_SIZE // BLOCK_K
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -259,18 +367,29 @@ def _dsd(data, rhs, out, offsets, indices, block_offsets,
         cols = (g % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         start, end = _span(offsets, br, nnz)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range((end - start) * KSUB):
-            j = start + s // KSUB
-            k_in = (s % KSUB) * BLOCK_K + tl.arange(0, BLOCK_K)
-            if GATHER:
-                blk = _index(block_offsets, j, nnz)
+        if AFFINE:
+            run, first, base, step = _run(indices, block_offsets, start, end, nnz, k_blocks, GATHER, 128)
+            if run:
+                a_base = data + _widen(base, INT64) * stride_db
+                r_base = rhs + _widen(first, INT64) * BLOCK_SIZE * stride_rk
+                for s in range((end - start) * KSUB):
+                    i = s // KSUB
+                    k_in = (s % KSUB) * BLOCK_K + tl.arange(0, BLOCK_K)
+                    a = _load(a_base + _widen(i * step, INT64) * stride_db, m_in, k_in, stride_am, stride_ak, 0, 0,
+                              A_CM, False, False, INT64)
+                    w = _load(r_base, i * BLOCK_SIZE + k_in, cols, stride_rk, stride_rn, 0, N, RHS_CM, False,
+                              not EVEN_N, INT64)
+                    acc = _dot(a, w, acc, PRECISION, WIDEN)
             else:
-                blk = j
-            a = _load(data + _widen(blk, INT64) * stride_db, m_in, k_in, stride_am, stride_ak, 0, 0, A_CM, False, False,
-                      INT64)
-            ks = _index(indices, j, k_blocks) * BLOCK_SIZE + k_in
-            w = _load(rhs, ks, cols, stride_rk, stride_rn, 0, N, RHS_CM, False, not EVEN_N, INT64)
-            acc = _dot(a, w, acc, PRECISION, WIDEN)
+                for s in tl.range(0, (end - start) * KSUB, num_stages=1):
+                    acc = _dsd_step(acc, s, start, data, rhs, indices, block_offsets, m_in, cols, N, nnz, k_blocks,
+                                    stride_db, stride_am, stride_ak, stride_rk, stride_rn, BLOCK_SIZE, BLOCK_K, GATHER,
+                                    A_CM, RHS_CM, EVEN_N, INT64, PRECISION, WIDEN)
+        else:
+            for s in range((end - start) * KSUB):
+                acc = _dsd_step(acc, s, start, data, rhs, indices, block_offsets, m_in, cols, N, nnz, k_blocks,
+                                stride_db, stride_am, stride_ak, stride_rk, stride_rn, BLOCK_SIZE, BLOCK_K, GATHER,
+                                A_CM, RHS_CM, EVEN_N, INT64, PRECISION, WIDEN)
         _store(out, br * BLOCK_SIZE + m_in, cols, stride_om, stride_on,
                acc.to(out.dtype.element_ty), 0, N, OUT_CM, False, not EVEN_N, INT64)
 
@@ -416,7 +535,8 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None
     kp = _cdiv(max(k, 1), t.block_k) * t.block_k
     int64 = _needs_int64(_max_offset((m, kp), lhs.stride()), _max_offset((kp, n), rhs.stride()),
                          _max_offset(out.shape, out.stride()))
-    tiles = nnz * (b // t.block_m) * (b // t.block_n)
+    pairs = t.pairs and t.block_n == b  # tiles of two whole blocks side by side
+    tiles = _cdiv(nnz, 2) * (b // t.block_m) if pairs else nnz * (b // t.block_m) * (b // t.block_n)
     _check_int32_extents(tiles, lhs=(max(m, k), t.block_k), rhs=(max(k, n), t.block_k))
     _sdd[_grid(device, tiles, t, num_programs)](
         lhs, rhs, out, offsets, row_indices, column_indices,
@@ -425,7 +545,7 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None
         BLOCK_SIZE=b, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP=t.group,
         LHS_CM=_column_major(lhs.stride(0), lhs.stride(1)), RHS_CM=_column_major(rhs.stride(0), rhs.stride(1)),
         OUT_CM=_column_major(out.stride(1), out.stride(2)), EVEN_K=k % t.block_k == 0, INT64=int64,
-        PRECISION=_precision(lhs.dtype, device), WIDEN=compat.dot_needs_float32(lhs.dtype, device),
+        PRECISION=_precision(lhs.dtype, device), WIDEN=compat.dot_needs_float32(lhs.dtype, device), PAIRS=pairs,
         **_launch_options(t, device),
     )
     return out
@@ -463,7 +583,7 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
         GATHER=transpose_a, A_CM=_column_major(stride_am, stride_ak),
         RHS_CM=_column_major(rhs.stride(0), rhs.stride(1)), OUT_CM=_column_major(out.stride(0), out.stride(1)),
         EVEN_N=n % t.block_n == 0, INT64=int64, PRECISION=_precision(data.dtype, device),
-        WIDEN=compat.dot_needs_float32(data.dtype, device),
+        WIDEN=compat.dot_needs_float32(data.dtype, device), AFFINE=t.affine,
         **_launch_options(t, device),
     )
     return out

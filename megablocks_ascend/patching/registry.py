@@ -185,12 +185,40 @@ def source_fingerprint(fn: Callable) -> str:
     return _fingerprint(inspect.getsource(fn))
 
 
+_FSTRING_START = getattr(tokenize, "FSTRING_START", None)  # Python >= 3.12 (PEP 701)
+_FSTRING_END = getattr(tokenize, "FSTRING_END", None)
+
+
 def _fingerprint(source: str) -> str:
     skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENDMARKER)
-    lines = io.StringIO(textwrap.dedent(source)).readline
-    tokens = [t.string for t in tokenize.generate_tokens(lines) if t.type not in skip]
+    text = textwrap.dedent(source)
+    lines = text.splitlines(keepends=True)
+    tokens, depth, start = [], 0, None
+    for t in tokenize.generate_tokens(io.StringIO(text).readline):
+        # From Python 3.12 an f-string is several tokens; earlier it is one STRING token. Joined back
+        # into its source text, so that a fingerprint does not depend on the Python version.
+        if t.type == _FSTRING_START:
+            depth += 1
+            start = t.start if depth == 1 else start
+            continue
+        if depth:
+            if t.type == _FSTRING_END:
+                depth -= 1
+                if depth == 0:
+                    tokens.append(_span(lines, start, t.end))
+            continue
+        if t.type not in skip:
+            tokens.append(t.string)
     return hashlib.sha256(" ".join(tokens).encode()).hexdigest()[:16]
+
+
+def _span(lines: list[str], start: tuple[int, int], end: tuple[int, int]) -> str:
+    """The source text from ``start`` to ``end`` (tokenize's 1-based rows, 0-based columns)."""
+    (r0, c0), (r1, c1) = start, end
+    if r0 == r1:
+        return lines[r0 - 1][c0:c1]
+    return lines[r0 - 1][c0:] + "".join(lines[r0:r1 - 1]) + lines[r1 - 1][:c1]
 
 
 def expect_source(target: str, fn: Any, fingerprint: str) -> None:

@@ -158,9 +158,9 @@ def _cube_constexprs(spec: KernelSpec, axes: dict) -> tuple[dict, dict | None]:
     c.update(BLOCK_SIZE=CUBE_BLOCK, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP=t.group,
              OUT_CM=False, PRECISION="ieee", WIDEN=False)
     if spec.name == "_sdd":
-        c["EVEN_K"] = dense % t.block_k == 0
+        c.update(EVEN_K=dense % t.block_k == 0, PAIRS=t.pairs)
     elif spec.name == "_dsd":
-        c.update(A_CM=axes["GATHER"], EVEN_N=dense % t.block_n == 0)
+        c.update(A_CM=axes["GATHER"], EVEN_N=dense % t.block_n == 0, AFFINE=t.affine)
     else:
         c.update(B_CM=not axes["GATHER"], EVEN_M=dense % t.block_m == 0)
     return c, devices.cube_bytes(t, es)

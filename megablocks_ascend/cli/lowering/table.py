@@ -251,9 +251,9 @@ def _dds(p: Problem) -> dict:  # lhs [dense, m] @ op(S) [m, n]; GATHER: S itself
 
 _CUBE = dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES)
 CUBE_KERNELS = (
-    KernelSpec("_sdd", "sdd", dict(_CUBE, LHS_CM=BOOLS, RHS_CM=BOOLS, INT64=BOOLS), _CUBE_TILE + ("EVEN_K",),
+    KernelSpec("_sdd", "sdd", dict(_CUBE, LHS_CM=BOOLS, RHS_CM=BOOLS, INT64=BOOLS), _CUBE_TILE + ("EVEN_K", "PAIRS"),
                ("lhs", "rhs", "out"), False, _sdd, module="blocksparse", cube=True, ptr_types=_STK_INDEX),
-    KernelSpec("_dsd", "dsd", dict(_CUBE, GATHER=BOOLS, RHS_CM=BOOLS, INT64=BOOLS), _CUBE_TILE + ("A_CM", "EVEN_N"),
+    KernelSpec("_dsd", "dsd", dict(_CUBE, GATHER=BOOLS, RHS_CM=BOOLS, INT64=BOOLS), _CUBE_TILE + ("A_CM", "EVEN_N", "AFFINE"),
                ("data", "rhs", "out"), False, _dsd, module="blocksparse", cube=True, ptr_types=_STK_INDEX),
     KernelSpec("_dds", "dds", dict(_CUBE, GATHER=BOOLS, LHS_CM=BOOLS, INT64=BOOLS), _CUBE_TILE + ("B_CM", "EVEN_M"),
                ("lhs", "data", "out"), False, _dds, module="blocksparse", cube=True, ptr_types=_STK_INDEX),
