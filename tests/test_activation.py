@@ -365,13 +365,20 @@ def test_when_imported_calls_back_now_or_once_the_module_has_been_imported(toy_p
 
 def test_install_before_import_applies_only_the_patches_that_need_no_megablocks():
     early = {p.name for p in patching.PATCHES if not p.needs_megablocks}
-    assert early == {"triton-driverless", "megablocks-ops-extension", "grouped-gemm", "triton-interpreter-index"}
+    assert early == {"triton-driverless", "megablocks-ops-extension", "grouped-gemm", "triton-interpreter-index",
+                     "jit-script-warning"}
+    import torch.jit
+    jit_script = torch.jit.script
     patching.uninstall()
     try:
         patching.install_before_import()
         assert {p.name for p in patching.PATCHES if p.applied} == early and not patching.installed()
+        jit = next(p for p in patching.PATCHES if p.name == "jit-script-warning")
+        assert (torch.jit.script is not jit_script) == bool(jit.originals)  # (applied where torch warns)
         patching.install()
-        assert all(p.applied for p in patching.PATCHES) and patching.installed()
+        # every patch in place, but those for the time MegaBlocks imports, which install() took back
+        assert all(p.applied != p.import_only for p in patching.PATCHES) and patching.installed()
+        assert torch.jit.script is jit_script
     finally:
         patching.install()
 
