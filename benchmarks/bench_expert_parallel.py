@@ -57,6 +57,12 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None, help="file names (default ep<N>)")
     a = ap.parse_args(argv)
 
+    if a.device and a.device != "cpu":  # (an NPU without torch_npu: named, with what to do, before any rank starts)
+        from megablocks_ascend import devices
+        try:
+            devices.requested(a.device)
+        except devices.DeviceUnavailable as e:
+            ap.error(str(e))
     device_type = a.device or suite.default_device().type
     if device_type == "cpu":
         routing_ops.setup("cpu")  # upstream's autotuned kernels narrowed to one config (the interpreter)

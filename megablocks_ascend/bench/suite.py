@@ -476,7 +476,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    device = torch.device(args.device) if args.device else default_device()
+    from megablocks_ascend import devices  # noqa: PLC0415
+    try:
+        device = devices.requested(args.device) if args.device else default_device()
+    except devices.DeviceUnavailable as e:
+        raise SystemExit(f"bench: {e}") from None
     if device.type == "cpu":
         routing_ops.narrow_upstream_autotuning()
     split = (lambda v: v.split(",") if v else None)  # noqa: E731

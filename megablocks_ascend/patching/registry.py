@@ -53,6 +53,7 @@ class Patch:
     apply: Callable[["Patch"], None]
     needs_megablocks: bool = True
     import_only: bool = False
+    waiting_for: str | None = None  # the module whose import the patch waits for, if any (doctor)
     originals: dict[str, Any] = dataclasses.field(default_factory=dict)
     applied: bool = False
 
@@ -88,6 +89,7 @@ class Patch:
                 setattr(where, attr, original)
         self.originals.clear()
         self.applied = False
+        self.waiting_for = None
 
 
 class Registry:
