@@ -1,5 +1,6 @@
 """The command-line tools: doctor and selftest (lower is tested in test_lowering.py)."""
 
+import math
 import os
 import pathlib
 import subprocess
@@ -140,3 +141,38 @@ def test_doctor_says_when_a_patch_waits_for_its_package_to_import_a_module(tmp_p
     assert "waits for `llmfoundry.models.utils.config_moe_args` to be imported, and applies then" in line
     jit = next(x for x in r.stdout.splitlines() if x.strip().startswith("jit-script-warning"))
     assert "in place only while MegaBlocks and stk import" in jit or "not needed here" in jit
+
+
+def _llmfoundry_example():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_llmfoundry_mpt", ROOT / "examples" / "train_llmfoundry_mpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # (imports LLM Foundry only when it runs: not needed here)
+    return module
+
+
+def test_llmfoundry_example_checks_compare_before_it_imports_or_trains(tmp_path):
+    """--compare FILE used to train 30 steps and then fail on a missing FILE; now the arguments are
+    checked first (here even without LLM Foundry installed: the error comes before its import)."""
+    (tmp_path / "other.json").write_text('{"something": 1}')
+    for args, said in ((["--fsdp", "--compare", str(tmp_path / "missing.json")], "cannot read it"),
+                       (["--fsdp", "--compare", str(tmp_path / "other.json")], "not a result of this script"),
+                       (["--compare", str(tmp_path / "other.json")], "--compare goes with --fsdp")):
+        r = _run(["examples/train_llmfoundry_mpt.py", *args])
+        assert r.returncode == 2 and said in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr and "ModuleNotFoundError" not in r.stderr, r.stderr
+
+
+def test_llmfoundry_example_states_the_language_floor_not_a_wrong_start():
+    """The example used to say the loss starts near log(vocab) (4.16), where an untrained MPT
+    starts at 5.1-5.2; it now states the bigram language's entropy, the floor, computed."""
+    m = _llmfoundry_example()
+    uniform = torch.full((8, 8), 1 / 8)
+    assert abs(m.entropy_floor(uniform) - math.log(8)) < 1e-9
+    cycle = torch.eye(8).roll(1, dims=1)  # each token has one successor: nothing to guess
+    assert m.entropy_floor(cycle) < 1e-9
+    a = m.parse([])
+    floor = m.entropy_floor(m.bigram_table(a))
+    assert 0 < floor < math.log(3) + 1e-9  # three successors per token at most
+    source = (ROOT / "examples" / "train_llmfoundry_mpt.py").read_text()
+    assert "loss starts near log(vocab)" not in source
