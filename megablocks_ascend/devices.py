@@ -141,10 +141,10 @@ class DeviceUnavailable(ValueError):
 
 def no_npu_help() -> str:
     """What an NPU needs, for the errors that say it is missing."""
-    version = torch.__version__.split("+")[0]
-    return (f"an Ascend NPU needs torch_npu (the release of this torch: pip install torch-npu=={version}) and "
-            "Huawei's CANN, whose set_env.sh must be sourced before Python starts; `python -m megablocks_ascend "
-            "doctor` says what this machine has")
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return (f"an Ascend NPU needs torch_npu (its release for this torch: torch-npu {release}.*) and Huawei's "
+            "CANN, whose set_env.sh must be sourced before Python starts; `python -m megablocks_ascend doctor` "
+            "says what this machine has")
 
 
 def requested(name: str, argument: str = "--device") -> torch.device:
