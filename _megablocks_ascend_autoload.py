@@ -229,7 +229,8 @@ class Finder:
       ``stk`` itself has finished (:mod:`megablocks_ascend.activation` sets both while it waits).
     * Modules named in :func:`when_imported`: their callbacks, once the module has been imported.
 
-    Threads: :func:`install_import_order` (put in place with the finder) keeps threads that import
+    Threads: :func:`install_import_order` (put in place by the finder when it first sees a module
+    of MegaBlocks or stk, taken out once the plugin is done with them) keeps threads that import
     MegaBlocks and stk at once from taking their import locks in opposite orders. The activation
     adds no cycle of its own: it imports nothing of MegaBlocks or stk while it waits, and
     :data:`LOCK`, which guards the hook's state, is never held while a module of theirs imports
