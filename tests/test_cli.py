@@ -116,6 +116,22 @@ def test_requested_device_errors_name_the_argument():
             devices.requested("cuda:1", argument="--where")
 
 
+def test_a_torch_npu_that_sees_no_npu_is_named(monkeypatch):
+    """torch_npu imported but no NPU usable (CANN's driver or environment): said so, with CANN and doctor."""
+    import types
+
+    import pytest
+
+    from megablocks_ascend import devices
+    if getattr(torch, "npu", None) is not None:
+        pytest.skip("torch has an npu module here")
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0),
+                        raising=False)
+    monkeypatch.setattr(torch, "device", lambda text: types.SimpleNamespace(type=text.partition(":")[0], index=None))
+    with pytest.raises(devices.DeviceUnavailable, match=r"torch_npu is imported but sees no NPU .*CANN.*doctor"):
+        devices.requested("npu")
+
+
 def test_doctor_reports_every_invalid_switch_instead_of_crashing():
     bad = {"MEGABLOCKS_BACKEND": "foo", "MEGABLOCKS_ASCEND_CHECKS": "maybe", "MEGABLOCKS_ASCEND_NUM_PROGRAMS": "-3",
            "MEGABLOCKS_ASCEND_STORES": "sideways", "MEGABLOCKS_ASCEND_AUTOLOAD": "perhaps"}
