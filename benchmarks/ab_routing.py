@@ -33,15 +33,15 @@ import sys
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before megablocks and triton: the stand-ins, the interpreter on a CPU)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import torch
 import triton
 import triton.language as tl
 
 from megablocks_ascend.bench import routing_ops, routing_table, timing
-from megablocks_ascend.bench.report import environment, logger
+from megablocks_ascend.bench.report import CPU_MEASURES_NOTHING, environment, logger
 from megablocks_ascend.kernels import routing
 
-HERE = Path(__file__).resolve().parent
 
 ROUTE_MAP_BLOCKS = (32, 64, 128, 256, 512)
 # top_k = 1 at 64 experts (Switch-like): the one-launch kernels' expert walk at many experts.
@@ -80,9 +80,32 @@ def uncached(mod, name):
     return run
 
 
+# On a CPU (--quick: the Triton interpreter) nothing is timed: the interpreter's times say nothing
+# about a device. The run checks the script and every result; times are None, printed "-".
+TIMED = [True]
+NOT_TIMED = f"not timed: {CPU_MEASURES_NOTHING}; this run checks the script and every result only"
+
+
 def graph_ms(fn, device):
-    ms = timing.graph_ms(fn, device)
-    return float("nan") if ms is None else ms
+    """Device ms of ``fn`` from CUDA-graph replay; None where nothing is timed (or no graph API)."""
+    return timing.graph_ms(fn, device) if TIMED[0] else None
+
+
+def bench_ms(fn, device, **kw):
+    """do_bench ms of ``fn``; None where nothing is timed."""
+    return timing.do_bench(fn, device, **kw) if TIMED[0] else None
+
+
+def _ms(v, spec=".4f"):
+    return "-" if v is None else format(v, spec)
+
+
+def _ratio(a, b, spec=".2f"):
+    return "-" if a is None or b is None else format(a / b, spec)
+
+
+def _frac(nb, ms, ceiling):
+    return None if ms is None else nb / ms / 1e6 / ceiling
 
 
 # --- A/B against a baseline routing.py --------------------------------------------------------
@@ -104,31 +127,35 @@ def ab(base, device, ceiling, log, shapes=routing_ops.SHAPES):
                 fn = uncached(mod, op)
                 ok[name] = routing_ops.check(op, d, fn=fn, want=want)["ok"]
                 if op in routing_ops.GRAPH_UNSAFE:
-                    t[name] = timing.do_bench(lambda: routing_ops.call(op, fn, d), device)  # do_bench (host sync inside)
+                    t[name] = bench_ms(lambda: routing_ops.call(op, fn, d), device)  # do_bench (host sync inside)
                 else:
                     t[name] = graph_ms(lambda: routing_ops.call(op, fn, d), device)
-            row = dict(shape=sname, op=op, min_bytes=nb, ok=ok, ms=t,
-                       frac_ceiling={k: nb / v / 1e6 / ceiling for k, v in t.items()},
+            frac = {k: _frac(nb, v, ceiling) for k, v in t.items()}
+            row = dict(shape=sname, op=op, min_bytes=nb, ok=ok, ms=t, frac_ceiling=frac,
                        timer="do_bench" if op in routing_ops.GRAPH_UNSAFE else "graph")
             rows.append(row)
-            log(f"  {op:22s} base {t['base']:.4f} ms {row['frac_ceiling']['base']:6.1%}  "
-                f"new {t['new']:.4f} ms {row['frac_ceiling']['new']:6.1%}  "
-                + (f"upstream {t['upstream']:.4f} ms  new/up {t['upstream'] / t['new']:.2f}x  "
+            log(f"  {op:22s} base {_ms(t['base'])} ms {_ms(frac['base'], '6.1%')}  "
+                f"new {_ms(t['new'])} ms {_ms(frac['new'], '6.1%')}  "
+                + (f"upstream {_ms(t['upstream'])} ms  new/up {_ratio(t['upstream'], t['new'])}x  "
                    if "upstream" in t else "")
-                + f"new/base {t['base'] / t['new']:.3f}x  checks {ok}")
+                + f"new/base {_ratio(t['base'], t['new'], '.3f')}x  checks {ok}")
         if d.k > 1:
             for layout, pb in ((routing.DROPLESS, None), (routing.PADDED, d.padded_bins), (routing.BINNED, None)):
                 cap = d.cap if layout == routing.BINNED else 0
-                t = {}
+                t, maps = {}, {}
                 for name, mod in impls.items():
                     fn = uncached(mod, "route_map")
+                    maps[name] = fn(d.indices, d.bins, pb, layout=layout, capacity=cap)
                     t[name] = graph_ms(lambda: fn(d.indices, d.bins, pb, layout=layout, capacity=cap), device)
                 fn = uncached(routing, "route_map")
                 for bm in ROUTE_MAP_BLOCKS:
+                    maps[f"new block_m={bm}"] = fn(d.indices, d.bins, pb, layout=layout, capacity=cap, block_m=bm)
                     t[f"new block_m={bm}"] = graph_ms(
                         lambda: fn(d.indices, d.bins, pb, layout=layout, capacity=cap, block_m=bm), device)
-                rows.append(dict(shape=sname, op=f"route_map[{layout}]", ms=t, timer="graph"))
-                log(f"  route_map layout={layout}  " + "  ".join(f"{k} {v:.4f} ms" for k, v in t.items()))
+                same = all(torch.equal(m, maps["base"]) for m in maps.values())
+                rows.append(dict(shape=sname, op=f"route_map[{layout}]", ms=t, timer="graph", same_maps=same))
+                log(f"  route_map layout={layout}  " + "  ".join(f"{k} {_ms(v)} ms" for k, v in t.items())
+                    + f"  maps equal: {same}")
         del d
         timing.empty_cache(device)
     return rows
@@ -213,10 +240,10 @@ def patterns(device, ceiling, log, shapes):
             ok = bool(torch.equal(dst, want))
             res[f"probe kernel (map given): {name}" + ("" if ok else " WRONG")] = (nbk, graph_ms(run, device))
         for name, (nb, ms) in res.items():
-            log(f"  [patterns {sname}] {name:52s} {ms:.4f} ms {nb / ms / 1e6:7.0f} GB/s "
-                f"{nb / ms / 1e6 / ceiling:6.1%} of the copy ceiling")
-        out[sname] = {name: dict(bytes=nb, ms=ms, GBps=nb / ms / 1e6, frac_ceiling=nb / ms / 1e6 / ceiling)
-                      for name, (nb, ms) in res.items()}
+            log(f"  [patterns {sname}] {name:52s} {_ms(ms)} ms {_ms(None if ms is None else nb / ms / 1e6, '7.0f')} "
+                f"GB/s {_ms(_frac(nb, ms, ceiling), '6.1%')} of the copy ceiling")
+        out[sname] = {name: dict(bytes=nb, ms=ms, GBps=None if ms is None else nb / ms / 1e6,
+                                 frac_ceiling=_frac(nb, ms, ceiling)) for name, (nb, ms) in res.items()}
         del x, dst, one, d, want, s2r
         timing.empty_cache(device)
     return out
@@ -243,14 +270,15 @@ def host_and_repeats(device, log, shape="mixtral"):
         impls = {"ours cached": getattr(routing, op), "ours cold": routing_ops.uncached(getattr(routing, op)),
                  "upstream": routing_ops.implementation(op, "upstream")}
         for name, fn in impls.items():
-            host = timing.host_us(lambda: routing_ops.call(op, fn, d), device, iters=iters)
+            routing_ops.call(op, fn, d)  # (runs once either way)
+            host = timing.host_us(lambda: routing_ops.call(op, fn, d), device, iters=iters) if TIMED[0] else None
             before = allocs()
-            runs = [timing.do_bench(lambda: routing_ops.call(op, fn, d), device, repeats=1) for _ in range(3)]
+            runs = [bench_ms(lambda: routing_ops.call(op, fn, d), device, repeats=1) for _ in range(3)]
             row = dict(shape=shape, op=op, impl=name, host_us=host, do_bench_runs_ms=runs,
                        device_allocs_during=allocs() - before)
             out.append(row)
-            log(f"  [host {shape}] {op:22s} {name:12s} host {host:6.1f} us  do_bench x3 "
-                + " ".join(f"{r:.4f}" for r in runs) + f" ms  cudaMalloc +{row['device_allocs_during']}")
+            log(f"  [host {shape}] {op:22s} {name:12s} host {_ms(host, '6.1f')} us  do_bench x3 "
+                + " ".join(_ms(r) for r in runs) + f" ms  cudaMalloc +{row['device_allocs_during']}")
     del d
     timing.empty_cache(device)
     return out
@@ -264,12 +292,13 @@ def main(argv=None):
     ap.add_argument("--host", action="store_true", help="host time per call and do_bench repeatability")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes for --baseline")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: a smoke test of this script")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="ab_routing")
     args = ap.parse_args(argv)
     device = routing_ops.setup()
     if device.type != "cuda" and not args.quick:
         ap.error("needs a CUDA GPU (or --quick)")
+    TIMED[0] = device.type != "cpu"
     big = routing_ops.QUICK_SHAPES if args.quick else routing_ops.SHAPES
     k1_shapes = {"quick-k1": dict(T=24, H=48, E=4, k=1, cf=1.0)} if args.quick else K1_SHAPES
     out_dir = Path(args.out)
@@ -280,7 +309,8 @@ def main(argv=None):
     log(f"environment: {json.dumps(report['environment'])}")
     ceil = routing_table.copy_ceiling(device, quick=args.quick)
     report["copy_ceiling"] = ceil
-    log(f"copy ceiling: {ceil['GBps']:.0f} GB/s")
+    report["timed"] = TIMED[0]
+    log(f"copy ceiling: {ceil['GBps']:.0f} GB/s" if TIMED[0] else NOT_TIMED)
 
     def save():
         (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1))
@@ -304,6 +334,8 @@ def main(argv=None):
         report["k1_sweep"] = routing_table.sweep(device, ceil["GBps"], log, shapes=tuple(k1_shapes), configs=configs,
                                       ops=K1_OPS)
         save()
+    if not TIMED[0]:
+        log(NOT_TIMED)
     save()
     return 0
 

@@ -45,7 +45,6 @@ import dataclasses
 import datetime
 import importlib.util
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -54,6 +53,7 @@ import types
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before megablocks and triton: stand-ins, interpreter on CPU)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import numpy as np
 import torch
 import triton
@@ -61,7 +61,6 @@ import triton
 from megablocks_ascend import devices
 from megablocks_ascend.kernels import blocksparse
 
-REPO = Path(__file__).resolve().parents[1]
 
 BLOCK = 128
 SHAPES = {
@@ -572,7 +571,7 @@ def environment(device):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny shape on CPU (Triton interpreter): smoke test")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_blocksparse")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--dtype", default=None, help="bfloat16 (default), float16 (default with --quick)")

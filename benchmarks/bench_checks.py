@@ -49,7 +49,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    device = torch.device(a.device)
+    try:
+        device = megablocks_ascend.devices.requested(a.device)
+    except megablocks_ascend.devices.DeviceUnavailable as e:
+        p.error(str(e))
     dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
     t, e, k, h = a.tokens, a.experts, a.top_k, a.hidden
     top = torch.randint(0, e, (t * k,), dtype=torch.int32, device=device)

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before megablocks and triton)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import torch
 
 from megablocks_ascend import backends, ops, patching, validation
@@ -50,7 +51,6 @@ from megablocks_ascend.bench import routing_ops, timing
 from megablocks_ascend.bench.report import environment, logger
 from megablocks_ascend.kernels import routing
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # Small device work, so that a GPU keeps up with the host; smaller still with --stub, where the
 # torch ops around the kernels (upstream's scatter sums over top_k, for one) run on the CPU.
@@ -249,7 +249,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="few calls (CPU smoke test)")
     ap.add_argument("--stub", action="store_true", help="launches replaced by a no-op (default without a GPU)")
     ap.add_argument("--calls", type=int, default=None, help="calls per timed run")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_dispatch")
     args = ap.parse_args(argv)
     device = routing_ops.setup()

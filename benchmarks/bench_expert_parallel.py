@@ -25,10 +25,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 import megablocks_ascend  # noqa: F401  (before megablocks and triton: the stand-ins, the interpreter on a CPU)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 from megablocks_ascend.bench import expert_parallel, report, routing_ops, steps, suite
 from megablocks_ascend.bench import expert_parallel_steps as eps
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv=None) -> int:
@@ -52,11 +52,16 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-timing", action="store_true", help="parity checks only")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before failing")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS),
-                    help="directory of the JSON and log (default: $OUT if set, else benchmarks/results)")
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default=None, help="file names (default ep<N>)")
     a = ap.parse_args(argv)
 
+    if a.device and a.device != "cpu":  # (an NPU without torch_npu: named, with what to do, before any rank starts)
+        from megablocks_ascend import devices
+        try:
+            devices.requested(a.device)
+        except devices.DeviceUnavailable as e:
+            ap.error(str(e))
     device_type = a.device or suite.default_device().type
     if device_type == "cpu":
         routing_ops.setup("cpu")  # upstream's autotuned kernels narrowed to one config (the interpreter)

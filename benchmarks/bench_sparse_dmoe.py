@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before megablocks, stk and triton)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import torch
 import triton
 from megablocks.layers.arguments import Arguments
@@ -53,7 +54,6 @@ from megablocks.layers.moe import clear_load_balancing_loss
 
 from megablocks_ascend import BackendUnavailable, backends
 
-REPO = Path(__file__).resolve().parents[1]
 
 SHAPES = {
     "mixtral": dict(T=8192, H=4096, ffn=14336, E=8, k=2),
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shape on CPU (interpreter smoke test)")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--stk-unguarded", action="store_true", help="stk's own kernels without the refusal (GPU)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_sparse_dmoe")
     ap.add_argument("--unguarded-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--unguarded-out", default=None, help=argparse.SUPPRESS)

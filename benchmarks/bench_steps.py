@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before megablocks and triton: the stand-ins, the interpreter on a CPU)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 from megablocks_ascend.bench import report, routing_ops, routing_table, steps
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main(argv=None):
@@ -39,8 +38,7 @@ def main(argv=None):
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--launches-by-line", action="store_true",
                     help="keep each eager row's launches by source line in the JSON (slower count)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS),
-                    help="directory of the JSON and log (default: $OUT if set, else benchmarks/results)")
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_steps")
     args = ap.parse_args(argv)
     device = routing_ops.setup()

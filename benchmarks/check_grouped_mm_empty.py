@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before triton: the interpreter on a CPU machine)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import torch
 
 from megablocks_ascend.bench import routing_ops, timing
@@ -48,7 +48,6 @@ from megablocks_ascend.bench.precision import rel_l2
 from megablocks_ascend.bench.report import environment, logger
 from megablocks_ascend.native import grouped_gemm as gg
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # (name, E, M, N, rows): the weight gradients [E, ffn, H] of bench_steps.py's configurations at
 # T = 8192 tokens (rows = T * top_k), and two small ones.
@@ -245,7 +244,7 @@ def time_fill(device, log, quick):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS))
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="check_grouped_mm_empty")
     ap.add_argument("--no-time", action="store_true", help="skip the timing section")
     args = ap.parse_args(argv)

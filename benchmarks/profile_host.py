@@ -16,16 +16,15 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import sys
 import time
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before megablocks and triton)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = {  # as in bench_steps.py
     "ds64": dict(hidden=2048, ffn=1408, experts=64, top_k=6),
@@ -87,7 +86,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--quick", action="store_true", help="tiny layer on the CPU (smoke test)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="profile_host")
     a = ap.parse_args()
     if a.quick:

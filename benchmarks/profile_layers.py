@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import torch
 
 from megablocks_ascend import backends
@@ -28,7 +29,7 @@ def main():
     ap.add_argument("--ffn", type=int, default=1792)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     args = ap.parse_args()
 
     from megablocks.layers import moe as moe_mod  # noqa: PLC0415

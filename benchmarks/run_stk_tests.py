@@ -37,7 +37,6 @@ import contextlib
 import datetime
 import importlib
 import json
-import os
 import platform
 import sys
 import time
@@ -47,6 +46,7 @@ from collections import Counter
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before stk and triton: patches, interpreter on CPU)
+from megablocks_ascend.bench.report import default_out  # noqa: E402
 import stk.backend.triton_kernels as stk_kernels
 import torch
 
@@ -239,7 +239,7 @@ def main() -> int:
                    help="who serves stk's kernels while its tests run (default: ascend)")
     p.add_argument("--boundary", action="store_true", help="also check the cuda refusal at each int16 boundary")
     p.add_argument("--quick", action="store_true", help="CPU smoke test: a few cases, interpreter")
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for run_stk_tests.json")
+    p.add_argument("--out", default=default_out(), help="directory for run_stk_tests.json (default: $OUT if set, else ./bench-results, which git ignores)")
     a = p.parse_args()
 
     device = torch.device("cpu" if a.quick else "cuda")

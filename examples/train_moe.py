@@ -110,8 +110,11 @@ def main() -> None:
     torch.manual_seed(a.seed)
     gen = torch.Generator().manual_seed(a.seed)
     default = megablocks_ascend.patching.default_device()  # what Arguments would pick
-    device = torch.device(a.device) if a.device else (
-        torch.device("cuda", default) if isinstance(default, int) else default)
+    try:  # (an NPU without torch_npu: an error naming torch_npu, CANN and doctor, before anything runs)
+        device = megablocks_ascend.devices.requested(a.device) if a.device else (
+            torch.device("cuda", default) if isinstance(default, int) else default)
+    except megablocks_ascend.devices.DeviceUnavailable as e:
+        p.error(str(e))
     args = Arguments(
         hidden_size=a.hidden, ffn_hidden_size=2 * a.hidden, num_layers=a.layers,
         moe_num_experts=a.experts, moe_top_k=a.top_k, moe_capacity_factor=1,

@@ -129,11 +129,13 @@ def install_patches() -> None:
     patches they need while importing now and the rest once they have finished (module docstring)."""
     from megablocks_ascend import patching  # noqa: PLC0415
 
-    hook.install_import_order()  # (with the autoload off too: MegaBlocks' own race between threads)
     if importlib.util.find_spec("megablocks") is None:
         record("MegaBlocks is not installed: nothing patched")
         _done()
         return
+    # The window in which MegaBlocks and stk are first imported (with the autoload off too:
+    # MegaBlocks' own race between threads); _done() closes it.
+    hook.install_import_order("megablocks-ascend is activating")
     busy = _importing()
     if not busy:  # (a top-level package about to execute counts as importing: see _importing)
         patching.install()
@@ -145,7 +147,8 @@ def install_patches() -> None:
         record(f"patches MegaBlocks and stk need while importing installed; the rest deferred until "
                f"{' and '.join(busy)} finished importing")
         for spec in busy.values():
-            hook.watch(spec, on_end=_finished)
+            if spec is not None:  # (None: another thread's, which the finder calls back for)
+                hook.watch(spec, on_end=_finished)
         # Stay on sys.meta_path until then: should the import fail and be tried again, the new
         # attempt's modules get the same treatment.
         hook.FINDER.before = _before_import
@@ -163,6 +166,13 @@ def _importing() -> dict:
     spec = hook.starting()
     if spec is not None and spec.name in hook.WATCHED:
         busy[spec.name] = spec
+    # Another thread holds the import lock of MegaBlocks or stk and waits for this import of
+    # megablocks_ascend to end (the thread whose import opened the window): importing them here
+    # would close a cycle. Its module finishes through the finder's `after` callback.
+    elsewhere = hook.first_sight_elsewhere()
+    if elsewhere is not False:
+        top = elsewhere.name.partition(".")[0] if elsewhere is not None else "megablocks"
+        busy.setdefault(top, None)
     return busy
 
 
@@ -197,6 +207,7 @@ def _finish(name: str, succeeded: bool) -> None:
         return  # an outer import (MegaBlocks around stk), or another thread's, is still running
     if not succeeded:
         record(f"{name} failed to import; the remaining patches wait for the next attempt")
+        hook.remove_import_order(f"{name} failed to import; the next attempt opens it again")
         return
     hook.FINDER.before = hook.FINDER.after = None  # install() imports MegaBlocks: not again from here
     try:
@@ -206,6 +217,7 @@ def _finish(name: str, succeeded: bool) -> None:
         # treatment, and fails the same way, rather than finding it half-patched in sys.modules.
         sys.modules.pop(name, None)
         hook.FINDER.before, hook.FINDER.after, hook.after_import = _before_import, _finished, _finished
+        hook.remove_import_order(f"{name} could not be patched; the next attempt opens it again")
         hook.fail(f"patching {name} once it had imported", exc)
         record(f"patches could not be installed after {name} imported ({type(exc).__name__}); "
                f"every patch taken back and the import of {name} failed")
@@ -221,6 +233,7 @@ def _done() -> None:
     with hook.LOCK:
         hook.FINDER.before = hook.FINDER.after = hook.after_import = None
         hook.FINDER.retire_if_idle()
+    hook.remove_import_order("MegaBlocks and stk have been imported and patched")
     _warn_about_clients_that_missed_megablocks()
 
 

@@ -135,6 +135,50 @@ class Tile:
     num_warps: int = 4  # CUDA only; ignored by triton-ascend and the interpreter
 
 
+class DeviceUnavailable(ValueError):
+    """A device named on a command line that this machine cannot give (its message says what to do)."""
+
+
+def no_npu_help() -> str:
+    """What an NPU needs, for the errors that say it is missing."""
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return (f"an Ascend NPU needs torch_npu (its release for this torch: torch-npu {release}.*) and Huawei's "
+            "CANN, whose set_env.sh must be sourced before Python starts; `python -m megablocks_ascend doctor` "
+            "says what this machine has")
+
+
+def requested(name: str, argument: str = "--device") -> torch.device:
+    """The device a user named (``--device npu``, ``cuda:1``, ``cpu``), checked before anything
+    runs on it: a malformed name, an NPU without a working torch_npu (torch itself only says
+    "Expected one of cpu, cuda, ... device type at start of device string: npu") or a device type
+    this machine does not have raises :class:`DeviceUnavailable`, which names ``argument``, what
+    is missing and, for an NPU, torch_npu, CANN and ``doctor``."""
+    text = str(name).strip()
+    kind = text.partition(":")[0].lower()
+    npu = getattr(torch, "npu", None)
+    if kind == "npu" and npu is None:
+        import importlib.util  # noqa: PLC0415
+        why = ("torch_npu is installed but was not imported (megablocks-ascend imports it when it activates)"
+               if importlib.util.find_spec("torch_npu") is not None else "torch_npu is not installed")
+        raise DeviceUnavailable(f"{argument} {text}: {why}, so torch has no npu device; {no_npu_help()}")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        raise DeviceUnavailable(f"{argument} {text!r} is not a device: expected cpu, cuda[:N] or npu[:N] "
+                                f"(torch: {e})") from e
+    if device.type == "npu" and not npu.is_available():
+        raise DeviceUnavailable(f"{argument} {text}: torch_npu is imported but sees no NPU (torch.npu.is_available() "
+                                f"is False: CANN's environment or the NPU driver); {no_npu_help()}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailable(f"{argument} {text}: this torch sees no CUDA device (torch.cuda.is_available() is "
+                                "False); `python -m megablocks_ascend doctor` says what this machine has")
+    for module in (("npu", npu), ("cuda", torch.cuda)):
+        if device.type == module[0] and device.index is not None and device.index >= module[1].device_count():
+            raise DeviceUnavailable(f"{argument} {text}: this machine has {module[1].device_count()} {module[0]} "
+                                    f"device(s) (indices from 0)")
+    return device
+
+
 def target(device: torch.device) -> str:
     if device.type == "cpu":
         return "interpreter"

@@ -2,7 +2,8 @@
 
 Values are read when they are used (not cached at import), so a test or a
 training script may change them between calls; what is cached is only the parse
-of each raw string (the routing ops read three of these on every call).
+of each raw string (a routing call reads about five of these).
+:func:`invalid` lists every variable whose value is invalid (``doctor`` reports them).
 
 =================================  ========  ==================================================
 variable                           default   meaning
@@ -89,10 +90,18 @@ _parsed: dict = {}  # (variable, raw value) -> parsed value; invalid values are 
 def _raw_reader():
     """A function ``name -> raw value or None`` that reads the process environment as
     ``os.environ.get`` does. ``os.environ.get`` encodes the name and decodes the value on every
-    call (~0.7 us); the routing ops read these variables on every call, so where ``os.environ``
-    is CPython's mapping over an encoded dict (``_data``, ``encodekey``), the names are encoded
-    once and the raw values looked up there (~0.06 us), undecoded: they only key the parse cache.
-    ``os.environ[...] = ...`` and ``del`` update that dict, so a change is seen on the next read."""
+    call, and an unset variable (the usual case) costs it a ``KeyError`` raised and caught; a
+    routing call reads about five of these variables. So where ``os.environ`` is CPython's mapping
+    over an encoded dict (its ``_data`` and ``encodekey``, in every CPython 3), the names are
+    encoded once and the raw values looked up there, undecoded: they only key the parse cache.
+    ``os.environ[...] = ...`` and ``del`` update that dict, so a change is seen on the next read;
+    anywhere else (no such dict) this is ``os.environ.get``.
+
+    Why not the public API alone, measured (2-core CPU machine, CPython 3.11, variables unset;
+    docs/notes/activation-safety.md, "envs.py"): the five reads of one routing call take 0.72 us
+    this way and 3.2-3.3 us through ``os.environ.get`` (``os.environb.get`` and ``os.getenv`` are
+    no faster: 0.44-0.56 us a read), about 2.5 us more per call, a tenth of a gather's ~21 us of
+    host time."""
     data = getattr(os.environ, "_data", None)
     encode = getattr(os.environ, "encodekey", None)
     if not isinstance(data, dict) or encode is None:
@@ -193,3 +202,19 @@ def _parse_sparse_sizes(raw: str) -> str:
 def sparse_sizes() -> str:
     """The value of ``MEGABLOCKS_ASCEND_SPARSE_SIZES``, validated: ``static`` or ``exact``."""
     return _read(SPARSE_SIZES_VAR, "static", _parse_sparse_sizes)
+
+
+def invalid() -> list[str]:
+    """What is wrong with each variable of this table whose value is invalid, one message each
+    (empty when all are valid); each would raise where it is read. ``doctor`` lists them to fix."""
+    problems = []
+    for read in (backend, checks_enabled, num_programs_override, stores, sparse_sizes):
+        try:
+            read()
+        except ValueError as e:
+            problems.append(str(e))
+    try:
+        _autoload.parse_flag(os.environ.get(AUTOLOAD_VAR))
+    except ValueError as e:
+        problems.append(f"{e}; taken as the default, 1 (on), until it is fixed")
+    return problems

@@ -162,6 +162,10 @@ class Kept:
         return (None if c0 is None else c0._version, None if c1 is None else c1._version,
                 None if c2 is None else c2._version) == self._versions
 
+    def companions(self) -> tuple:
+        """The companion tensors it was made with (None where there was none)."""
+        return self._c0, self._c1, self._c2
+
 
 # --------------------------------------------------------------------------------------------
 # Where a result lives: in its owner's __dict__, under an attribute of the place that keeps it
@@ -192,6 +196,16 @@ def keep(owner: torch.Tensor, attr: str, value, what: tuple = (), companions: tu
     (``key(owner, *what)``) and from (``companions``, under capture state ``captured``); the caller
     asked :func:`keepable`."""
     put(owner, attr, (Kept(key(owner, *what), companions, captured), value), slot)
+
+
+def record(owner: torch.Tensor, attr: str, slot=None) -> Kept | None:
+    """The :class:`Kept` record of what is kept on ``owner`` under ``attr`` (in its ``slot``) while
+    the owner is unchanged since (its version counter), whatever it serves; else None. For checks
+    that compare a call's tensors with those a result was made from (their shapes: no device read)."""
+    entry = find(owner, attr, slot)
+    if entry is None or entry[0].key[0] != owner._version:
+        return None
+    return entry[0]
 
 
 def kept(owner: torch.Tensor, attr: str, what: tuple = (), companions: tuple = (),

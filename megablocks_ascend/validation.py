@@ -93,6 +93,20 @@ def _prepared(indices, bins, bin_ids, padded_bins):
                                                       keeping.ANY if padded_bins is None else padded_bins))
 
 
+def _check_against_preparation(op, indices, bins, bin_ids, padded_bins):
+    """``indices`` made by the routing preparation (and unchanged since) with routing tensors other
+    than the preparation's: their shapes must be those the preparation made, which were made with
+    ``indices`` (one bin per expert, one bin id per assignment). Free: shapes only."""
+    kept = keeping.record(indices, _PREPARED_ATTR)
+    if kept is None:
+        return
+    for name, given, made in zip(("bins", "bin_ids", "padded_bins"), (bins, bin_ids, padded_bins), kept.companions()):
+        if isinstance(given, torch.Tensor) and made is not None and given is not made and given.shape != made.shape:
+            what = "experts" if name != "bin_ids" else "assignments"
+            _fail(op, name, f"has {given.shape[0]} entries, but 'indices' comes from a routing preparation for "
+                            f"{made.shape[0]} {what} (its {name} has {made.shape[0]})")
+
+
 def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, padded_bins, expert_capacity, grad,
                        x_rows):
     """:func:`check_routing` with every argument in order: what the dispatchers call on every
@@ -112,8 +126,10 @@ def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, pa
     experts = bins.shape[0]
     if experts == 0:
         _fail(op, "bins", "must have one entry per expert, got 0 entries")
+    if _PREPARED_ATTR in indices.__dict__:
+        _check_against_preparation(op, indices, bins, bin_ids, padded_bins)
     n = indices.shape[0]
-    _check_assignments(op, x, n, top_k, x_rows)
+    _check_assignments(op, x, n, top_k, x_rows, bin_ids, weights)
     if bin_ids is not None:
         _tensor(op, "bin_ids", bin_ids, 1, INDEX_DTYPES)
         if bin_ids.shape[0] != n:
@@ -136,13 +152,30 @@ def check_routing_args(op, x, x_ndim, indices, bins, top_k, bin_ids, weights, pa
     return False
 
 
-def _check_assignments(op, x, n, top_k, x_rows):
-    """``n`` assignments against ``top_k`` and against ``x``'s rows (see :func:`check_routing`)."""
+def _check_assignments(op, x, n, top_k, x_rows, bin_ids=None, weights=None, prepared=False):
+    """``n`` assignments against ``top_k`` and against ``x``'s rows (see :func:`check_routing`).
+    Where ``x`` holds the tokens and the counts disagree, ``bin_ids`` and ``weights`` (one entry
+    per assignment) tell which of ``x`` and ``indices`` is wrong, and ``indices`` made by the routing
+    preparation (``prepared``) is right by construction; otherwise both are named."""
     if n % top_k != 0:
         _fail(op, "indices", f"has {n} assignments, which is not a multiple of top_k={top_k}")
     if x_rows == "tokens":
-        if n != x.shape[0] * top_k:
-            _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {x.shape[0]} * {top_k}")
+        rows = x.shape[0]
+        if n != rows * top_k:
+            witnesses = [(name, t.shape[0]) for name, t in (("bin_ids", bin_ids), ("weights", weights))
+                         if isinstance(t, torch.Tensor) and t.dim() == 1]
+            if prepared:
+                _fail(op, "x", f"has {rows} rows, but the routing (from the routing preparation) is for "
+                               f"{n // top_k} tokens: {n} assignments = tokens * top_k = {n // top_k} * {top_k}")
+            if witnesses and all(length == n for _, length in witnesses):
+                _fail(op, "x", f"has {rows} rows, but the routing is for {n // top_k} tokens ('indices' and "
+                               f"{' and '.join(repr(w) for w, _ in witnesses)} have {n} = tokens * top_k = "
+                               f"{n // top_k} * {top_k} entries)")
+            if witnesses and all(length == rows * top_k for _, length in witnesses):
+                _fail(op, "indices", f"has {n} assignments, expected tokens * top_k = {rows} * {top_k} (as 'x' "
+                                     f"and {' and '.join(repr(w) for w, _ in witnesses)} have)")
+            _fail(op, "x", f"has {rows} rows (tokens) but 'indices' has {n} assignments: expected tokens * top_k = "
+                           f"{rows} * {top_k} = {rows * top_k} (one of 'x' and 'indices' is wrong)")
     elif x_rows == "assignments" and x.shape[0] != n:
         _fail(op, "x", f"must have one row per assignment ({n}), got {x.shape[0]}")
 
@@ -172,7 +205,7 @@ def _check_with_prepared(op, x, x_ndim, indices, bins, top_k, weights, expert_ca
         _int(op, "top_k", top_k, 1)
     experts = bins.shape[0]
     n = indices.shape[0]
-    _check_assignments(op, x, n, top_k, x_rows)
+    _check_assignments(op, x, n, top_k, x_rows, weights=weights, prepared=True)
     _check_call(op, x, x_ndim, n, experts, top_k, weights, expert_capacity, grad)
     device = x.device
     if indices.device != device or (weights is not None and weights.device != device) \

@@ -149,6 +149,97 @@ def test_the_hook_module_imports_only_the_standard_library(dist_dir):
     assert "new []" in r.stdout
 
 
+# What `import torch` changes of CPython's import system: the functions of importlib._bootstrap
+# (and _bootstrap_external), by identity, before and after.
+SNAPSHOT = """
+    import importlib._bootstrap as b, importlib._bootstrap_external as be
+    def snapshot():
+        return {(m.__name__, k): v for m in (b, be) for k, v in vars(m).items() if callable(v)}
+"""
+
+
+def test_import_torch_leaves_cpythons_import_functions_untouched_until_megablocks_is_imported(dist_dir):
+    r = run(textwrap.dedent(SNAPSHOT) + textwrap.dedent("""
+        import sys
+        before = snapshot()
+        import torch, json, csv, xml.dom.minidom, torch.distributed  # a torch program without MegaBlocks
+        import _megablocks_ascend_autoload as hook
+        changed = [k for k, v in snapshot().items() if before.get(k) is not v]
+        print("after torch: changed", changed, "hook", hook.FINDER in sys.meta_path)
+        import megablocks.layers.dmoe
+        print("after megablocks: changed", [k for k, v in snapshot().items() if before.get(k) is not v],
+              "hook", hook.FINDER in sys.meta_path)
+        print("EVENTS", hook.events())
+    """), dist_dir)
+    assert r.returncode == 0, r.stderr
+    assert "after torch: changed [] hook True" in r.stdout  # (the finder, on the public sys.meta_path)
+    assert "after megablocks: changed [] hook False" in r.stdout
+    events = r.stdout.split("EVENTS", 1)[1]
+    opened = events.index("import order for threads installed (`megablocks` is about to be imported)")
+    assert opened < events.index("activated by the import hook") < events.index("import order for threads removed")
+
+
+WARNER = "import warnings\nwarnings.warn('warned at import', UserWarning, stacklevel=2)\n"
+RAISER = "raise RuntimeError('raised at import')\n"
+
+
+@pytest.mark.parametrize("window", ["after import torch", "with the window open"])
+def test_warnings_and_tracebacks_of_other_packages_name_their_importer(dist_dir, tmp_path, window):
+    """A module that warns at import with stacklevel=2 is attributed to the line that imported it,
+    and an import that fails shows no frame of ours: after `import torch` (nothing of ours is on
+    the stack), and while the import-order window is open (its frame counts as the import system's
+    for warnings, as CPython's own frames do)."""
+    (tmp_path / "warner.py").write_text(WARNER)
+    (tmp_path / "raiser.py").write_text(RAISER)
+    (tmp_path / "importer.py").write_text("import warner\n")
+    r = run(f"""
+        import sys, traceback, warnings, torch
+        import _megablocks_ascend_autoload as hook
+        if {window == "with the window open"}:
+            assert hook.install_import_order("test")
+        print("wrapped", hook.import_order_installed())
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            import importer
+        print("WARNED", [(w.filename.rsplit("/", 1)[-1], w.lineno, str(w.message)) for w in seen])
+        try:
+            import raiser
+        except RuntimeError:
+            print("TRACEBACK", traceback.format_exc())
+    """, dist_dir, extra_path=[tmp_path])
+    assert r.returncode == 0, r.stderr
+    assert f"wrapped {window != 'after import torch'}" in r.stdout
+    assert "WARNED [('importer.py', 1, 'warned at import')]" in r.stdout
+    trace = r.stdout.split("TRACEBACK", 1)[1]
+    assert "raised at import" in trace and "raiser.py" in trace
+    if window == "after import torch":
+        assert "megablocks" not in trace.lower(), trace
+    else:  # the one frame of the wrapper, under its own name (not a file of the package)
+        assert "_megablocks_ascend_autoload.py" not in trace and hook.WRAPPER_FILENAME in trace
+
+
+def test_megablocks_import_is_quiet_and_passes_with_warnings_as_errors(dist_dir):
+    """MegaBlocks' @torch.jit.script (layers/gelu.py) warns 'deprecated' from torch 2.10 on: not
+    while MegaBlocks imports (the jit-script-warning patch), with warnings as errors too, and a
+    call of torch.jit.script from the program afterwards still warns (no filter is left)."""
+    import inspect
+    import torch.jit
+    torch_warns = "is deprecated" in inspect.getsource(inspect.unwrap(torch.jit.script))
+    for first in ("import megablocks_ascend, megablocks", "import torch, megablocks", "import megablocks"):
+        r = run(first + textwrap.dedent("""
+            import warnings, torch, torch.jit
+            print("torch's own", not hasattr(torch.jit.script, "__wrapped__"))
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.jit.script(torch.nn.Identity())
+            print("program's call warned", any("deprecated" in str(w.message) for w in seen))
+        """), dist_dir, PYTHONWARNINGS="error")
+        assert r.returncode == 0, (first, r.stderr)
+        assert "Warning" not in r.stderr, (first, r.stderr)
+        assert "torch's own True" in r.stdout
+        assert f"program's call warned {torch_warns}" in r.stdout
+
+
 @pytest.mark.parametrize("first", ["import megablocks", "import stk", "import torch"])
 def test_whatever_is_imported_first_the_layers_run_through_our_kernels(dist_dir, first):
     out = _ok(run(first + "\n" + train("dMoE, MoE" if first == "import megablocks" else "dMoE"), dist_dir))
@@ -365,13 +456,20 @@ def test_when_imported_calls_back_now_or_once_the_module_has_been_imported(toy_p
 
 def test_install_before_import_applies_only_the_patches_that_need_no_megablocks():
     early = {p.name for p in patching.PATCHES if not p.needs_megablocks}
-    assert early == {"triton-driverless", "megablocks-ops-extension", "grouped-gemm", "triton-interpreter-index"}
+    assert early == {"triton-driverless", "megablocks-ops-extension", "grouped-gemm", "triton-interpreter-index",
+                     "jit-script-warning"}
+    import torch.jit
+    jit_script = torch.jit.script
     patching.uninstall()
     try:
         patching.install_before_import()
         assert {p.name for p in patching.PATCHES if p.applied} == early and not patching.installed()
+        jit = next(p for p in patching.PATCHES if p.name == "jit-script-warning")
+        assert (torch.jit.script is not jit_script) == bool(jit.originals)  # (applied where torch warns)
         patching.install()
-        assert all(p.applied for p in patching.PATCHES) and patching.installed()
+        # every patch in place, but those for the time MegaBlocks imports, which install() took back
+        assert all(p.applied != p.import_only for p in patching.PATCHES) and patching.installed()
+        assert torch.jit.script is jit_script
     finally:
         patching.install()
 

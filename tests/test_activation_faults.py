@@ -124,8 +124,8 @@ def test_the_stale_editable_install_message_is_the_one_readme_quotes(tmp_path):
 RACE = """
     import importlib, sys, threading, torch
     import _megablocks_ascend_autoload as hook
-    if {unordered}:  # the control: CPython's own order, the wrapper taken out after import torch
-        importlib._bootstrap._find_and_load = importlib._bootstrap._find_and_load.__wrapped__
+    if {unordered}:  # the control: CPython's own order, the window never opened
+        hook.install_import_order = lambda reason="": False
     names = {names!r}
     errors, barrier = [], threading.Barrier(len(names))
     def imp(name):
@@ -211,6 +211,60 @@ def test_the_import_order_removes_the_cycle_that_megablocks_package_makes(tmp_pa
         assert "errors ['_DeadlockError']" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("window", [False, True], ids=["never-opened", "opened-late"])
+def test_a_thread_that_entered_before_the_window_opened_does_not_deadlock(tmp_path, window):
+    """The window opens when MegaBlocks is first seen, which is after the thread that sees it has
+    taken its import locks; another thread may have entered CPython's own import a moment before
+    (taking its module's lock first, then waiting for the parent). Made deterministic here: the
+    same package shaped like MegaBlocks; thread A imports `megablocks.ops` (the package is slow to
+    create, holding its lock); thread E imports `megablocks.layers.dmoe` 0.1 s later, with CPython's
+    order (it takes the locks of `dmoe` and `layers`, then waits for `megablocks`); the window opens
+    at 0.3 s, before `megablocks/__init__` executes and needs `layers` and `dmoe`. Never opened:
+    `_DeadlockError`, every time. Opened late: A imports the modules E holds without their locks,
+    E returns them; no error."""
+    for name, text in FAKE_MEGABLOCKS.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    r = fp.run(f"""
+        import importlib, sys, threading, time
+        import _megablocks_ascend_autoload as hook
+        import importlib.machinery
+        class SlowToCreate(importlib.machinery.SourceFileLoader):
+            def create_module(self, spec):
+                time.sleep(0.5)
+        class Finder:
+            def find_spec(self, name, path=None, target=None):
+                if name == "megablocks":
+                    spec = importlib.machinery.PathFinder.find_spec(name, path)
+                    spec.loader.__class__ = SlowToCreate
+                    return spec
+        sys.meta_path.insert(0, Finder())
+        errors = []
+        def imp(name, delay):
+            time.sleep(delay)
+            try:
+                importlib.import_module(name)
+            except BaseException as e:
+                errors.append(type(e).__name__)
+        threads = [threading.Thread(target=imp, args=("megablocks.ops", 0)),
+                   threading.Thread(target=imp, args=("megablocks.layers.dmoe", 0.1))]
+        [t.start() for t in threads]
+        time.sleep(0.3)
+        if {window}:
+            assert hook.install_import_order("test")
+        [t.join() for t in threads]
+        import megablocks.layers.dmoe as dmoe, megablocks.ops as ops
+        print("errors", errors, "complete", all(m.__spec__._initializing is False for m in (dmoe, ops)))
+        print("EVENTS", hook.events())
+    """, path=[tmp_path], env={"MEGABLOCKS_ASCEND_AUTOLOAD": "0"})
+    assert r.returncode == 0, r.stderr
+    if window:
+        assert "errors [] complete True" in r.stdout, r.stdout
+        assert "`megablocks.layers.dmoe` imported without its import lock" in r.stdout
+    else:
+        assert "errors ['_DeadlockError']" in r.stdout, r.stdout
+
+
 RUNS = 6  # fresh interpreters per scenario (docs/notes/activation-safety.md: 0 of 57 runs deadlocked)
 
 
@@ -236,7 +290,7 @@ def test_threads_importing_megablocks_and_stk_at_once_never_deadlock(dist, names
 @pytest.mark.one_point
 def test_without_the_import_order_the_same_threads_deadlock(dist):
     """The control, showing that the scenario above is a real race here: with CPython's own import
-    order (the wrapper taken out after ``import torch``), the issue's three threads deadlock."""
+    order (the import-order window never opened), the issue's three threads deadlock."""
     outcomes = [fp.run(race(unordered=True), path=[dist]) for _ in range(3)]
     assert all(r.returncode == 0 for r in outcomes), [r.stderr for r in outcomes]
     assert any("_DeadlockError" in r.stdout for r in outcomes), [r.stdout for r in outcomes]
@@ -255,7 +309,9 @@ def test_a_failed_import_of_megablocks_where_it_is_not_installed_activates_nothi
                 __import__(name)
             except ImportError as e:
                 print("failed", type(e).__name__)
-        print("activated", "megablocks_ascend" in sys.modules)
+        import _megablocks_ascend_autoload as hook
+        print("activated", "megablocks_ascend" in sys.modules, "wrapped", hook.import_order_installed())
     """, path=[dist])
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["failed", "ModuleNotFoundError"] * 2 + ["activated", "False"], r.stdout
+    assert r.stdout.split() == ["failed", "ModuleNotFoundError"] * 2 + ["activated", "False", "wrapped", "False"], \
+        r.stdout

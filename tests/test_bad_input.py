@@ -76,7 +76,13 @@ CATALOGUE = [
     ("gather", lambda a: a.update(x=a["x"].double()), "x"),
     ("binned_scatter", lambda a: a.update(top_k=0), "top_k"),
     ("scatter", lambda a: a.update(top_k=5), "indices"),  # 12 assignments, not a multiple of 5
-    ("gather", lambda a: a.update(x=a["x"][:-1]), "indices"),  # 5 tokens * 2 != 12 assignments
+    # 5 tokens * 2 != 12 assignments: 'bin_ids' and 'weights' agree with 'indices', so 'x' is wrong
+    ("gather", lambda a: a.update(x=a["x"][:-1]), "x"),
+    ("padded_gather", lambda a: a.update(x=a["x"][:-1]), "x"),
+    # ... and here they agree with 'x': 'indices' is wrong
+    ("gather", lambda a: a.update(indices=a["indices"][:-2]), "indices"),
+    # no witness (binned_gather without weights): both named, 'x' first
+    ("binned_gather", lambda a: a.update(x=a["x"][:-1], weights=None), "x"),
     ("binned_gather", lambda a: a.update(expert_capacity=-1), "expert_capacity"),
     ("binned_gather", lambda a: a.update(expert_capacity=4.0), "expert_capacity"),
     ("binned_gather", lambda a: a.update(bins=a["bins"][:0]), "bins"),
@@ -185,3 +191,76 @@ def test_layer_level_error_names_the_argument():
     r = routing()
     with pytest.raises(RoutingArgumentError, match="'indices'"):
         megablocks.ops.gather(torch.randn(6, 8), r["indices"].float(), r["bin_ids"], r["bins"], 2)
+
+
+def test_without_a_witness_both_x_and_indices_are_named():
+    args = base_args("binned_gather")
+    args.update(x=args["x"][:-1], weights=None)
+    message = expect_rejected("binned_gather", args, "x")
+    assert "'indices' has 12 assignments" in message and "one of 'x' and 'indices' is wrong" in message
+
+
+def _prepared(route, experts=3, tokens=6, top_k=2, capacity=4):
+    from megablocks_ascend import ops
+    top = torch.arange(tokens * top_k, dtype=torch.int32) % experts
+    indices, bin_ids, bins, _, padded_bins = ops.prepare_routing(top, experts, 4, route, capacity)
+    return dict(indices=indices, bin_ids=bin_ids, bins=bins, padded_bins=padded_bins, top_k=top_k)
+
+
+@pytest.mark.parametrize("backend", ["ascend", "torch"])
+@pytest.mark.parametrize("name,argument", [("gather", "bins"), ("binned_gather", "bins"),
+                                           ("padded_gather", "bins"), ("padded_gather", "padded_bins"),
+                                           ("padded_scatter", "bins")])
+def test_routing_tensors_shaped_unlike_the_preparations_are_rejected_on_every_backend(backend, name, argument):
+    """With the value checks off: 'bins' (or 'padded_bins') with another number of experts than the
+    routing preparation made 'indices' for is a shape fact, so it is rejected for free, on every
+    backend, before any launch. (It used to give 'ascend' and 'torch' different answers.)"""
+    with megablocks_ascend.use_backend(backend):
+        prepared = _prepared(-1)
+    args = base_args(name)
+    args.update({k: v for k, v in prepared.items() if k in args})
+    for longer in (False, True):
+        broken = dict(args)
+        if argument == "bins":
+            broken["bins"] = torch.cat([args["bins"], args["bins"][-1:]]) if longer else args["bins"][:-1].clone()
+            if "padded_bins" in broken:  # (keep the two consistent with each other: only the preparation differs)
+                broken["padded_bins"] = (torch.cat([args["padded_bins"], args["padded_bins"][-1:]]) if longer
+                                         else args["padded_bins"][:-1].clone())
+        else:
+            broken["padded_bins"] = args["padded_bins"][:-1].clone()
+        snapshot = {k: v.clone() for k, v in broken.items() if isinstance(v, torch.Tensor)}
+        with megablocks_ascend.use_backend(backend), megablocks_ascend.trace() as calls:
+            with pytest.raises(RoutingArgumentError, match=f"'{argument}'") as info:
+                call(name, broken)
+        assert calls == []
+        assert argument == "padded_bins" or "routing preparation for 3 experts" in str(info.value)
+        for k, v in snapshot.items():
+            assert torch.equal(broken[k], v)
+
+
+def test_a_kept_route_map_serves_only_the_routing_tensors_it_was_made_from(monkeypatch):
+    """The preparation keeps the step's route map on 'indices'. A call with the same 'indices' and
+    another 'bins' (here a well-formed routing that sorts to the same 'indices': experts 0, 1, 1, 1,
+    2, 2 against 0, 0, 1, 1, 2, 2) is served from a map made for its own tensors (the binned
+    scatter at top_k 1 reads one), and equals the 'torch' backend's answer; with the preparation's own tensors the kept map serves (nothing computed)."""
+    from megablocks_ascend.kernels import routing as kernels
+    computed = []
+    real = kernels._compute_route_map
+    monkeypatch.setattr(kernels, "_compute_route_map", lambda *a, **k: computed.append(1) or real(*a, **k))
+    from megablocks_ascend import ops
+    top = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32)
+    other = torch.tensor([0, 1, 1, 1, 2, 2], dtype=torch.int32)
+    x = torch.randn(3, 2, 8)  # the expert-major buffer of a binned scatter: 3 experts, capacity 2
+    with megablocks_ascend.use_backend("ascend"):
+        indices, bin_ids, bins, _, _ = ops.prepare_routing(top, 3, 0, kernels.BINNED, 2)
+    o_bin_ids, o_indices = torch.sort(other, stable=True)
+    assert torch.equal(o_indices.int(), indices)
+    o_bins = torch.cumsum(torch.bincount(other, minlength=3), 0).int()
+    for b, expect_computed in ((bins, 0), (o_bins, 1)):
+        computed.clear()
+        with megablocks_ascend.use_backend("ascend"):
+            ours = call("binned_scatter", dict(x=x, indices=indices, weights=None, bins=b, top_k=1))
+        with megablocks_ascend.use_backend("torch"):
+            ref = call("binned_scatter", dict(x=x, indices=indices, weights=None, bins=b, top_k=1))
+        assert len(computed) == expect_computed
+        assert torch.equal(ours, ref)

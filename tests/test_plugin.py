@@ -273,6 +273,34 @@ def test_registry_applies_in_order_rolls_back_a_half_applied_patch_and_restores_
     assert target.a is a and "_registry_standin" not in sys.modules and calls[-1] == "first"
 
 
+def test_an_import_only_patch_is_in_place_until_install_ends(monkeypatch):
+    """`import_only` patches (jit-script-warning): applied with the patches MegaBlocks needs while it
+    imports, taken back at the end of install(), once every patch has imported what it patches."""
+    target = types.SimpleNamespace(a="a", b="b")
+    monkeypatch.setitem(sys.modules, "_registry_target2", target)
+    seen = []
+
+    def during(p):
+        p.replace("_registry_target2.a", "during import")
+
+    def later(p):
+        seen.append(target.a)  # what a patch that imports MegaBlocks sees
+        p.replace("_registry_target2.b", "patched")
+
+    reg = registry.Registry([
+        registry.Patch(name="during", targets=(), why="", how="", upstream_fix="", apply=during,
+                       needs_megablocks=False, import_only=True),
+        registry.Patch(name="later", targets=(), why="", how="", upstream_fix="", apply=later,
+                       needs_megablocks=False)])
+    reg.install_before_import()
+    assert target.a == "during import" and not reg.installed()
+    reg.install()
+    assert seen == ["during import"] and target.a == "a" and target.b == "patched" and reg.installed()
+    assert [p.applied for p in reg.patches] == [False, True]
+    reg.uninstall()
+    assert target.b == "b"
+
+
 def test_arguments_default_device_is_cpu_here_and_explicit_device_wins():
     assert Arguments(mlp_impl="grouped").device == torch.device("cpu")
     assert Arguments(mlp_impl="grouped", device=torch.device("meta")).device == torch.device("meta")

@@ -318,7 +318,7 @@ def test_routing_calls_on_prepared_tensors_still_check_their_own_arguments(backe
     x, w = torch.randn(6, 8), torch.rand(12)
     with megablocks_ascend.use_backend(backend):
         assert torch.equal(mb_ops.gather(x, indices, bin_ids, bins, 2), x[indices.long() // 2])
-        for bad, arg in ((lambda: mb_ops.gather(torch.randn(5, 8), indices, bin_ids, bins, 2), "indices"),
+        for bad, arg in ((lambda: mb_ops.gather(torch.randn(5, 8), indices, bin_ids, bins, 2), "x"),  # (the preparation's indices are right)
                          (lambda: mb_ops.gather(x.int(), indices, bin_ids, bins, 2), "x"),
                          (lambda: mb_ops.scatter(torch.randn(12, 8), indices, bin_ids, w[:5], bins, 2), "weights"),
                          (lambda: mb_ops.gather(x, indices, bin_ids, bins, 5), "indices")):

@@ -12,6 +12,22 @@ from pathlib import Path
 import torch
 
 
+#: What a benchmark run on a CPU says about its times (the Triton interpreter's, on the host).
+CPU_MEASURES_NOTHING = "a CPU run (the Triton interpreter) measures nothing about a device"
+
+#: Where benchmarks write their results unless told (``--out``): ``$OUT`` if set, else this folder
+#: of the current directory, which the repository's .gitignore ignores (so a run in a checkout
+#: leaves its ``git status`` clean). The recorded results in ``benchmarks/results/`` are written there
+#: on purpose, with ``--out benchmarks/results``.
+DEFAULT_OUT = "bench-results"
+
+
+def default_out() -> str:
+    """The default of every benchmark's ``--out`` (see :data:`DEFAULT_OUT`)."""
+    import os  # noqa: PLC0415
+    return os.environ.get("OUT") or DEFAULT_OUT
+
+
 def logger():
     """``(log, lines)``: ``log(s)`` prints ``s`` at once and keeps it in ``lines`` for the log file."""
     lines = []

@@ -235,7 +235,8 @@ def narrow_upstream_autotuning() -> None:
 def setup(name: str | None = None) -> torch.device:
     """The device to run on (``name``, else CUDA when there is one, else the CPU); on the CPU,
     upstream's autotuned kernels narrowed to one config."""
-    device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from megablocks_ascend import devices  # noqa: PLC0415
+    device = devices.requested(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         narrow_upstream_autotuning()
     return device

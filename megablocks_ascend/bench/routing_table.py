@@ -122,13 +122,13 @@ def sweep(device, ceiling, log, shapes=LARGE_SHAPES, configs=SWEEP, ops=SWEEP_OP
                 ms = timing.do_bench(lambda: call(base, fn, d, **launch), device)
                 gms = timing.graph_ms(lambda: call(base, fn, d, **launch), device)
                 gbps = nb / ms / 1e6
-                ggbps = nb / gms / 1e6 if gms else float("nan")
+                ggbps = nb / gms / 1e6 if gms else None  # (no graph API here: no device time)
                 rows.append(dict(shape=sname, op=op, block_m=bm, block_x=bx, num_warps=nw, programs_per_sm=pps,
                                  ms=ms, GBps=gbps, frac_ceiling=gbps / ceiling, graph_ms=gms,
-                                 graph_frac_ceiling=ggbps / ceiling, check_ok=c["ok"]))
+                                 graph_frac_ceiling=None if ggbps is None else ggbps / ceiling, check_ok=c["ok"]))
+                graph = "-" if ggbps is None else f"{gms:8.4f} ms {ggbps / ceiling:6.1%}"
                 log(f"  sweep {sname:8s} {op:20s} bm={bm:2d} bx={bx:4d} w={nw} pps={pps:2d} "
-                    f"do_bench {ms:8.4f} ms {gbps / ceiling:6.1%}  graph {gms or float('nan'):8.4f} ms "
-                    f"{ggbps / ceiling:6.1%} {'ok' if c['ok'] else 'FAIL'}")
+                    f"do_bench {ms:8.4f} ms {gbps / ceiling:6.1%}  graph {graph} {'ok' if c['ok'] else 'FAIL'}")
             del want
         del d
         timing.empty_cache(device)

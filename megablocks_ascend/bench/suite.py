@@ -477,13 +477,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision-configs", default=None,
                         help="comma-separated step configs whose step gets the precision verdict (default: all; "
                              "each costs a float32 and a low-precision step of the layer on the CPU)")
-    parser.add_argument("--out", default="bench-results", help="directory for NAME.json, NAME.log, NAME.png")
+    parser.add_argument("--out", default=report.default_out(), help="directory for NAME.json, NAME.log, NAME.png "
+                        "(default: $OUT if set, else ./bench-results, which git ignores)")
     parser.add_argument("--name", default="bench")
     parser.add_argument("--no-plot", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
-    device = torch.device(args.device) if args.device else default_device()
+    from megablocks_ascend import devices  # noqa: PLC0415
+    try:
+        device = devices.requested(args.device) if args.device else default_device()
+    except devices.DeviceUnavailable as e:
+        raise SystemExit(f"bench: {e}") from None
     if device.type == "cpu":
         routing_ops.narrow_upstream_autotuning()
     split = (lambda v: v.split(",") if v else None)  # noqa: E731

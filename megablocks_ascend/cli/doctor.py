@@ -46,8 +46,9 @@ def _not_activated(failures: list[str]) -> list[str]:
     """The report when megablocks-ascend could not be activated in this process (e.g. torch_npu
     fails to import): what is known without torch, and what to fix."""
     lines = _versions() + [""] + activation_report()
+    from megablocks_ascend import envs  # noqa: PLC0415  (the standard library and the hook module only)
     lines += ["", "megablocks-ascend is not active in this process, so nothing else can be checked.", "",
-              "to fix:"] + [f"  - {f}" for f in failures]
+              "to fix:"] + [f"  - {f}" for f in [*failures, *envs.invalid()]]
     if _version("torch_npu"):
         lines.append(f"  - ({NO_CANN})")
     return lines
@@ -76,11 +77,21 @@ def report() -> list[str]:
 
     npu = getattr(torch, "npu", None)
     devices = {"cpu": True, "cuda": torch.cuda.is_available(), "npu": bool(npu and npu.is_available())}
-    lines += ["", f"MEGABLOCKS_BACKEND={backends.requested()} (valid: {', '.join(envs.BACKENDS)}); "
-                  f"sync checks {'on' if envs.checks_enabled() else 'off'} ({envs.CHECKS_VAR})",
-              "routing backend per device type:"]
     fixes = [f"megablocks-ascend: {f}" for f in hook.failures()]
+    invalid = envs.invalid()  # every switch whose value is invalid: each is a fix, none stops the report
+    fixes += invalid
+    backend_ok = not any(m.startswith(envs.BACKEND_VAR) for m in invalid)
+    checks = _read_or(envs.checks_enabled, None)
+    shown = backends.requested() if backend_ok else f"{os.environ.get(envs.BACKEND_VAR)!r} (invalid)"
+    state = "invalid" if checks is None else "on" if checks else "off"
+    lines += ["", f"{envs.BACKEND_VAR}={shown} (valid: {', '.join(envs.BACKENDS)}); "
+                  f"sync checks {state} ({envs.CHECKS_VAR})",
+              "routing backend per device type:"]
     for dev, present in devices.items():
+        if not backend_ok:
+            lines.append(f"  {dev:5} {'present' if present else 'absent ':8} -> not decided until "
+                         f"{envs.BACKEND_VAR} is valid")
+            continue
         try:
             chosen = backends.resolve(torch.device(dev) if dev != "npu" else _NpuDevice())
             why = ""
@@ -88,13 +99,14 @@ def report() -> list[str]:
             chosen, why = "unavailable", str(e)
             if present:
                 fixes.append(why)
+        except ValueError as e:  # another switch the choice reads is invalid (listed under "to fix")
+            chosen, why = "not decided", str(e)
         lines.append(f"  {dev:5} {'present' if present else 'absent ':8} -> {chosen}{'  (' + why + ')' if why else ''}")
 
     lines += [""] + activation_report()
     lines += ["", f"patches installed: {patching.installed()}"]
     for patch in patching.PATCHES:
-        replaced = list(patch.originals)
-        lines.append(f"  {patch.name:26} {len(replaced)} target(s) replaced")
+        lines.append(f"  {patch.name:26} {patch_status(patch)}")
     ops = sys.modules.get("megablocks_ops")
     lines.append("megablocks_ops: " + ("megablocks-ascend stand-in (PyTorch)" if ops is not None and
                  ops.__name__.startswith("megablocks_ascend") else "native CUDA extension" if ops else "not loaded"))
@@ -110,6 +122,27 @@ def report() -> list[str]:
     lines += ["", "to fix:" if fixes else "nothing to fix"] + [f"  - {f}" for f in fixes]
     del megablocks_ascend
     return lines
+
+
+def patch_status(patch) -> str:
+    """One patch's state, in words: what it replaced, or why nothing (yet)."""
+    if patch.originals:
+        return f"{len(patch.originals)} target(s) replaced"
+    if patch.waiting_for:
+        return (f"waits for `{patch.waiting_for}` to be imported, and applies then (megablocks-ascend never "
+                f"imports it; nothing is wrong)")
+    if patch.import_only:
+        return "in place only while MegaBlocks and stk import; taken back since"
+    if not patch.applied:
+        return "not applied"
+    return "0 targets: not needed here"
+
+
+def _read_or(read, fallback):
+    try:
+        return read()
+    except ValueError:
+        return fallback
 
 
 def backend_compiler(fixes: list | None) -> list[str]:

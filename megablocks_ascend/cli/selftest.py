@@ -268,4 +268,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run(torch.device(args.device) if args.device else default_device())
+    from megablocks_ascend import devices  # noqa: PLC0415
+    try:
+        device = devices.requested(args.device) if args.device else default_device()
+    except devices.DeviceUnavailable as e:
+        raise SystemExit(f"selftest: {e}") from None
+    return run(device)

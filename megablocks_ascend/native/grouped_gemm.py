@@ -709,7 +709,8 @@ def _gmm_npu(a, b, batch_sizes, sizes, trans_a, trans_b, c):
     """Ascend path via ``torch_npu.npu_grouped_matmul``.
 
     NOT YET RUN ON AN NPU.  Written from the op-plugin documentation
-    (docs/context/torch_npu-npu_grouped_matmul.md) and the CANN
+    (``docs/context/torch_npu-npu_grouped_matmul.md`` in Ascend's op-plugin
+    repository; docs/notes/grouped-gemm.md) and the CANN
     aclnnGroupedMatmulV4 docs, plus the calling pattern used by existing
     Ascend MoE code; only exercised here against a fake that implements that
     reading of the docs.

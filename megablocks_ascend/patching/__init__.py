@@ -36,6 +36,7 @@ from megablocks_ascend.patching.registry import Patch, PatchError, Registry
 # comes first: every later patch imports MegaBlocks, which imports stk, whose kernels are autotuned.
 ORDER = (
     "triton_driverless",
+    "jit_script_warning",
     "megablocks_ops_extension",
     "grouped_gemm",
     "arguments_device",

@@ -66,6 +66,7 @@ def _replace(p: Patch, module) -> None:
                          f"{hook.AUTOLOAD_VAR}=0.") from e
     get_megablocks_device_mesh.__wrapped__ = upstream
     p.replace(TARGET, get_megablocks_device_mesh)
+    p.waiting_for = None
 
 
 def apply(p: Patch) -> None:
@@ -81,6 +82,7 @@ def apply(p: Patch) -> None:
         if p.applied and _armed[0] is token:  # still installed, and this is the current wait
             _replace(p, module)
 
+    p.waiting_for = MODULE  # (doctor: "waits for ... to be imported")
     hook.when_imported(MODULE, when_imported)
 
 

@@ -41,7 +41,9 @@ class Patch:
     ``patches/<name>.md`` says at length; ``apply(patch)`` makes the change through
     :meth:`replace` and :meth:`set_module`, which record the originals. ``needs_megablocks`` is
     False for the patches that make MegaBlocks importable in the first place (stand-ins for its
-    native dependencies, Triton fixes), which apply without it."""
+    native dependencies, Triton fixes), which apply without it. ``import_only`` patches are in
+    place only while MegaBlocks and stk import: :meth:`Registry.install` takes them back at its
+    end, once every patch has imported what it patches."""
 
     name: str
     targets: tuple[str, ...]
@@ -50,6 +52,8 @@ class Patch:
     upstream_fix: str
     apply: Callable[["Patch"], None]
     needs_megablocks: bool = True
+    import_only: bool = False
+    waiting_for: str | None = None  # the module whose import the patch waits for, if any (doctor)
     originals: dict[str, Any] = dataclasses.field(default_factory=dict)
     applied: bool = False
 
@@ -85,6 +89,7 @@ class Patch:
                 setattr(where, attr, original)
         self.originals.clear()
         self.applied = False
+        self.waiting_for = None
 
 
 class Registry:
@@ -105,6 +110,9 @@ class Registry:
             return
         self._apply(self.patches)
         self._installed = True
+        for patch in self.patches:  # MegaBlocks and stk have been imported by now
+            if patch.import_only:
+                patch.revert()
 
     def install_before_import(self) -> None:
         """Apply only the patches that need no MegaBlocks (``needs_megablocks=False``: stand-ins
