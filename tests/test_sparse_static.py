@@ -410,3 +410,33 @@ def test_exact_sizes_capture_fails_cleanly_and_the_process_goes_on(device, monke
         graph, _ = _capture(layer, args, x)
         graph.replay()
         torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("name", ["mlp", "glu"])
+def test_fp16_autocast_training_with_a_grad_scaler(name, device):
+    """float32 parameters, forward under ``torch.autocast(float16)``, ``torch.amp.GradScaler``: a few
+    optimizer steps of the static-size sparse dMoE; the loss falls, nothing becomes inf or NaN, the
+    parameters stay float32, and no step reads the host (the scaler's own check excepted)."""
+    layer, args = _layer(name, torch.float32, device)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
+    x = _input(torch.float32, device).requires_grad_()
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    losses = []
+    from megablocks.layers.moe import clear_load_balancing_loss
+    with megablocks_ascend.use_backend("ascend"):
+        for step in range(5):
+            opt.zero_grad(set_to_none=True)
+            with HostSyncs(cpu_is_device=device.type == "cpu") as syncs:
+                with torch.autocast(device.type, dtype=torch.float16):
+                    out, _ = layer(x)
+                    loss = (out.float() - target).square().mean()
+                scaler.scale(loss).backward()
+            assert not syncs.events, syncs.report()
+            assert out.dtype == torch.float16
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+            clear_load_balancing_loss()
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in layer.parameters())
