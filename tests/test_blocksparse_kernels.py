@@ -432,7 +432,7 @@ def test_int64_is_chosen_from_shapes_and_strides(monkeypatch, big):
 def test_dimensions_past_int32_are_refused(monkeypatch):
     """Indices within a dimension and tile counts are int32 in the kernels: the launchers refuse
     more (checked here with the limit lowered, as no such tensor fits this machine)."""
-    monkeypatch.setattr(bs, "_INT32_MAX", 40)
+    monkeypatch.setattr(bs, "_EXTENT_LIMIT", 40)
     monkeypatch.setattr(bs, "_sdd", _NoLaunch())
     gen = torch.Generator().manual_seed(14)
     topo = make_topology("all", 1, 1, 16, gen)
