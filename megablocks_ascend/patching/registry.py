@@ -118,7 +118,7 @@ class Registry:
         """Apply only the patches that need no MegaBlocks (``needs_megablocks=False``: stand-ins
         for its native dependencies, Triton fixes), which MegaBlocks and stk need while they import;
         :meth:`install` applies the rest. The autoload calls this when it finds MegaBlocks part-way
-        through its import (:mod:`megablocks_ascend.activation`)."""
+        through its import (:mod:`megablocks_ascend.plugin_activation`)."""
         self._apply(tuple(p for p in self.patches if not p.needs_megablocks))
 
     def _apply(self, patches: tuple[Patch, ...]) -> None:
