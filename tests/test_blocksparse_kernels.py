@@ -1,6 +1,6 @@
 """The block-sparse kernels (``kernels/blocksparse.py``) against float64 dense references.
 
-Every sparse operand is built from a block mask with ``tests/blocksparse_impl.py`` (BCSR metadata
+Every sparse operand is built from a block mask with ``tests/support/blocksparse_impl.py`` (BCSR metadata
 and the transpose metadata in plain Python, independently of the kernels, in the order MegaBlocks'
 ``sparse_transpose`` gives: column by column, rows ascending), its dense float64 form from the same
 blocks; every output is poisoned with NaN first, so an element the kernel does not write fails the

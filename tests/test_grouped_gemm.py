@@ -606,7 +606,7 @@ needs_cpu_grouped_mm = pytest.mark.skipif(
 
 
 def _no_host_reads(fn):
-    """Run ``fn`` and fail on any read of tensor values into Python (see tests/host_syncs.py)."""
+    """Run ``fn`` and fail on any read of tensor values into Python (see tests/support/host_syncs.py)."""
     from host_syncs import HostSyncs
     with HostSyncs() as syncs:
         out = fn()

@@ -1,6 +1,6 @@
 """A MoE / dMoE training step without host syncs, and what still syncs.
 
-The check (``tests/host_syncs.py``) fails on any read of tensor values into Python, any
+The check (``tests/support/host_syncs.py``) fails on any read of tensor values into Python, any
 cross-device copy and any op whose output size depends on the data. On CPU, where such reads cost
 nothing, it counts CPU tensors as device tensors, so that a ``.cpu()`` or ``.tolist()`` that would
 stall an accelerator is caught here too; the same test runs on CUDA

@@ -5,7 +5,7 @@
 that follow). It is checked against:
 
 * a plain Python loop written from the definitions (a stable sort of the ids; counts; inclusive
-  sums; counts rounded up to the block), and for the route maps ``tests/reference_impl.py``'s
+  sums; counts rounded up to the block), and for the route maps ``tests/support/reference_impl.py``'s
   position -> row lists;
 * MegaBlocks' own sequence (``ops.sort`` / ``ops.histogram`` / ``ops.inclusive_cumsum`` /
   ``ops.round_up``, through the ``megablocks_ops`` stand-in's PyTorch code);

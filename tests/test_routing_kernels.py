@@ -3,7 +3,7 @@
 For every kernel function of the three families (binned, dropless, padded) and both of our
 implementations ('ascend': ``megablocks_ascend.kernels.routing`` run by the Triton
 interpreter; 'torch': ``megablocks_ascend.reference``), each case is compared with
-``tests/reference_impl.py`` (float64 loops written from the seed's definitions) and with
+``tests/support/reference_impl.py`` (float64 loops written from the seed's definitions) and with
 upstream MegaBlocks' own kernel on the same inputs (``upstream_kernels``, also interpreted).
 
 What is asserted, by kind:
