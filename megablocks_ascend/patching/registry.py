@@ -37,8 +37,9 @@ _MISSING = object()
 
 @dataclasses.dataclass
 class Patch:
-    """One change to another library. ``targets``, ``why``, ``how`` and ``upstream_fix`` say what
-    ``patches/<name>.md`` says at length; ``apply(patch)`` makes the change through
+    """One change to another library. ``targets`` are the page's (``patches/<name>.md``); ``why``,
+    ``how`` and ``upstream_fix`` (Markdown) are the first paragraph of its sections of those names
+    (:mod:`megablocks_ascend.patching.pages`); ``apply(patch)`` makes the change through
     :meth:`replace` and :meth:`set_module`, which record the originals. ``needs_megablocks`` is
     False for the patches that make MegaBlocks importable in the first place (stand-ins for its
     native dependencies, Triton fixes), which apply without it. ``import_only`` patches are in
