@@ -31,6 +31,31 @@ def test_every_file_the_checklists_name_exists():
         assert (ROOT / path).exists(), path
 
 
+LONG = 600  # lines: a module past it says why it is one idea ("One idea: ..." in its docstring)
+_SPLIT_ELSEWHERE = {"kernels/routing.py", "bench/steps.py"}  # being split on another branch
+
+
+def test_a_long_module_says_why_it_is_one_idea():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name in _SPLIT_ELSEWHERE or len(path.read_text().splitlines()) <= LONG:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "One idea: " in doc, f"{name}: over {LONG} lines, and its docstring does not say why it is one idea"
+
+
+def test_the_tests_folder_holds_tests_and_their_helpers_sit_in_support():
+    """tests/ holds test files and conftest.py; what they import (references, fakes, detectors)
+    is in tests/support/, which holds no test. (census_variants.py: kernels the gate's tests load
+    by module path, tests.census_variants.)"""
+    tests = ROOT / "tests"
+    loose = {p.name for p in tests.glob("*.py")
+             if not p.name.startswith("test_") and p.name not in ("conftest.py", "census_variants.py")}
+    assert not loose, sorted(loose)
+    support = {p.name for p in (tests / "support").glob("*.py")}
+    assert support and not {n for n in support if n.startswith("test_")}
+
+
 def test_every_link_reaches_a_heading():
     for target, anchor in re.findall(r"\]\(([^)#]+)#([^)]+)\)", _doc()):
         text = (DOC.parent / target).read_text()

@@ -8,6 +8,10 @@ directly; each writes its result into ``out``. They take the arguments that
 every argument once, before any launch, and the launchers check only what depends on their own
 choices (a ``tile`` they are given, and int32 indexing at their tile).
 
+One idea: stk's block-sparse products. The three products share the sparse operand's layout, the
+offset rules, the tile and the launch helpers below, and stk computes each one's gradients with
+the other two, so they are one file, as stk's ``triton_kernels`` is.
+
 The sparse operand
 ------------------
 A sparse matrix of ``shape`` ``(R, C)`` is stored in blocks of ``B x B`` (``B`` in :data:`BLOCK_SIZES`):
