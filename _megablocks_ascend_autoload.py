@@ -12,7 +12,7 @@ stk's, and it leaves ``sys.meta_path`` once the plugin is active).
 The finder acts only when a module of ``megablocks`` or ``stk`` is about to execute: then it
 imports ``megablocks_ascend``, whose ``__init__`` does what it always did (imports torch_npu, picks
 the Triton interpreter on a machine without devices, installs the patches: see
-:mod:`megablocks_ascend.activation`), and steps aside. Programs that never import MegaBlocks or stk
+:mod:`megablocks_ascend.plugin_activation`), and steps aside. Programs that never import MegaBlocks or stk
 never import megablocks-ascend, Triton or torch_npu because of it, and their ``TRITON_INTERPRET``
 is left alone.
 
@@ -226,7 +226,7 @@ class Finder:
 
     * Modules of ``megablocks`` and ``stk``: ``before(name)`` is called just before each executes
       (at first: activate the plugin); ``after(name, succeeded)``, when set, once ``megablocks`` or
-      ``stk`` itself has finished (:mod:`megablocks_ascend.activation` sets both while it waits).
+      ``stk`` itself has finished (:mod:`megablocks_ascend.plugin_activation` sets both while it waits).
     * Modules named in :func:`when_imported`: their callbacks, once the module has been imported.
 
     Threads: :func:`install_import_order` (put in place by the finder when it first sees a module
@@ -318,7 +318,7 @@ class Finder:
 
 
 # Guards the hook's state (the finder's callbacks, sys.meta_path, what waits for which module) and
-# megablocks_ascend.activation's. Never held while importing a module of MegaBlocks or stk: a thread
+# megablocks_ascend.plugin_activation's. Never held while importing a module of MegaBlocks or stk: a thread
 # that wants it may be holding such a module's import lock.
 LOCK = threading.RLock()
 
@@ -400,7 +400,7 @@ def first_sight_elsewhere():
     """The spec (None until found) of the module whose import, in another thread, opened the window
     and is activating the plugin now, holding that module's import lock; ``False`` when there is none.
     ``megablocks_ascend`` imported in this thread must not import MegaBlocks then (that thread waits
-    for it): :mod:`megablocks_ascend.activation` defers the patches that need MegaBlocks instead."""
+    for it): :mod:`megablocks_ascend.plugin_activation` defers the patches that need MegaBlocks instead."""
     claim = _first_sight[0]
     if claim is None or claim.thread is threading.current_thread():
         return False
@@ -485,7 +485,7 @@ _unsupported: list[str] = []  # why the wrapper cannot be installed on this Pyth
 
 #: Called by the wrapper as ``after_import(name, succeeded)`` once this thread's import of
 #: ``megablocks`` or ``stk`` itself has returned or raised (the thread holds no import lock of that
-#: module then); set by :mod:`megablocks_ascend.activation` while patches wait for those imports.
+#: module then); set by :mod:`megablocks_ascend.plugin_activation` while patches wait for those imports.
 after_import: Callable[[str, bool], None] | None = None
 
 #: The file name the wrapper's code carries. Like the name of CPython's own import frames
@@ -524,7 +524,7 @@ def install_import_order(reason: str = "") -> bool:
     at the cost of one string split per module loaded, while the window is open.
 
     When: the finder opens the window when it is first asked about a module of MegaBlocks or stk,
-    ``megablocks_ascend`` when it imports MegaBlocks itself; :mod:`megablocks_ascend.activation`
+    ``megablocks_ascend`` when it imports MegaBlocks itself; :mod:`megablocks_ascend.plugin_activation`
     closes it once the plugin has finished with them (or their import failed). Threads that had
     already entered CPython's own ``_find_and_load`` for a module of theirs before the window
     opened keep CPython's order (docs/notes/activation-safety.md says when that can happen).

@@ -16,17 +16,17 @@ turns that off; then ``import megablocks_ascend`` before MegaBlocks). Either way
    (those that need MegaBlocks itself once it has finished importing, when it is importing).
 
 See README.md for the backends, the environment variables and what runs where, and
-:mod:`megablocks_ascend.activation` for the activation.
+:mod:`megablocks_ascend.plugin_activation` for the activation.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from megablocks_ascend import activation  # noqa: E402
+from megablocks_ascend import plugin_activation  # noqa: E402
 
 try:
-    activation.prepare()
+    plugin_activation.prepare()
 
     from megablocks_ascend.backends import (  # noqa: E402
         BACKENDS,
@@ -41,13 +41,13 @@ try:
     from megablocks_ascend.patching import PatchError, install, installed, uninstall  # noqa: E402
     from megablocks_ascend.validation import BlockSparseArgumentError, RoutingArgumentError  # noqa: E402
 
-    activation.install_patches()
+    plugin_activation.install_patches()
 except Exception as _exc:
-    if not activation.doctor_invocation():
+    if not plugin_activation.doctor_invocation():
         raise
     # `python -m megablocks_ascend doctor`: the package is imported before its __main__ runs;
     # doctor reports the failure (and what to do) instead of a traceback.
-    activation.hook.fail("activation (python -m megablocks_ascend doctor)", _exc)
+    plugin_activation.hook.fail("activation (python -m megablocks_ascend doctor)", _exc)
     del _exc
 
 __all__ = [

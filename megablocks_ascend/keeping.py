@@ -13,8 +13,9 @@ routing checks done        ``indices``         ``validation.mark_prepared`` / ``
                                                routing preparation's tensors are well-formed
 route map                  ``indices``         ``kernels/routing.py``: ``keep_route_map`` (the
                                                preparation's), ``route_map`` (computed, kept)
-grouped GEMM group ends    ``batch_sizes``     ``native/grouped_gemm.py``: ``keep_group_ends``
-                                               (the preparation's ``bins``), ``_device_groups``
+grouped GEMM group ends    ``batch_sizes``     ``native/grouped_gemm/device_sizes.py``:
+                                               ``keep_group_ends`` (the preparation's ``bins``),
+                                               ``_device_groups``
 =========================  ==================  ==================================================
 
 The rule
@@ -43,8 +44,8 @@ rewrites both), and it serves the captured calls that follow. Group ends: neithe
 for during a capture. The routing checks are a fact about values, not a launch: they hold
 whatever the capture state (``captured=None``).
 
-This module imports only torch, so that every layer of the package (and the ``grouped_gemm``
-stand-in, which loads on its own) can use it.
+This module imports only torch, so that every layer of the package (and the light ``grouped_gemm``
+stand-in, registered before MegaBlocks imports) can use it.
 """
 
 from __future__ import annotations

@@ -175,14 +175,14 @@ out["cast"] = probe(True)
 out["replay"] = probe(None)
 with torch.autocast("npu", dtype=torch.bfloat16):
     out["cast_if_autocast_enabled"] = str(common.cast_if_autocast_enabled(x).dtype)
-    out["operands"] = [str(t.dtype) for t in gg._autocast_operands(x, w)]
+    out["operands"] = [str(t.dtype) for t in gg.entry._autocast_operands(x, w)]
     # What reaches the implementation from ops.gmm (the fake tensors cannot be computed with).
-    eager = gg._gmm_eager
-    gg._gmm_eager = lambda a, b, *rest: out.setdefault("ops_gmm", [str(a.dtype), str(b.dtype)]) and c
+    eager = gg.entry._gmm_eager
+    gg.entry._gmm_eager = lambda a, b, *rest: out.setdefault("ops_gmm", [str(a.dtype), str(b.dtype)]) and c
     gg.ops.gmm(x, w, sizes, trans_b=True)
-    gg._gmm_eager = eager
+    gg.entry._gmm_eager = eager
     sys.modules["torch_npu"] = types.SimpleNamespace(npu_grouped_matmul=None)
-    gg._gmm_npu = lambda a, b, *rest: out.setdefault("npu_branch", [str(a.dtype), str(b.dtype)]) and rest[-1]
+    gg.impls._gmm_npu = lambda a, b, *rest: out.setdefault("npu_branch", [str(a.dtype), str(b.dtype)]) and rest[-1]
     gg.gmm(x, w, sizes, trans_b=True, c=c)
 print("RESULT " + json.dumps(out))
 """
@@ -299,10 +299,10 @@ def test_every_implementation_gets_the_cast_operands(monkeypatch, impl):
     ``npu_grouped_matmul`` (neither registered with autocast) see bf16 operands. CPU tensors with
     the choice forced and each implementation replaced by a recorder that runs the loop; the real
     ``torch._grouped_mm`` and NPU branches are tested in test_grouped_gemm.py. (With ``c`` given,
-    ``gmm`` runs in this module directly; without, it goes through the ``megablocks_ascend::gmm``
-    custom op, which test_grouped_gemm.py's second copy of the module re-registers.)"""
+    ``gmm`` runs eagerly, as it does outside torch.compile; only compiled code goes through the
+    ``megablocks_ascend::gmm`` custom op.)"""
     seen = []
-    loop = gg._gmm_loop
+    loop = gg.impls._gmm_loop
 
     def recorder(a, b, batch_sizes, sizes, trans_a, trans_b, c):
         seen.append((a.dtype, b.dtype))
@@ -310,10 +310,10 @@ def test_every_implementation_gets_the_cast_operands(monkeypatch, impl):
             sizes = [int(n) for n in batch_sizes]
         return loop(a, b, sizes, trans_a, trans_b, c)
 
-    monkeypatch.setattr(gg, "_select_impl", lambda *args, **kwargs: impl)
-    monkeypatch.setattr(gg, "_gmm_grouped_mm", recorder)
-    monkeypatch.setattr(gg, "_gmm_npu", recorder)
-    monkeypatch.setattr(gg, "_gmm_loop", lambda a, b, sizes, trans_a, trans_b, c: recorder(a, b, None, sizes, trans_a,
+    monkeypatch.setattr(gg.choice, "_select_impl", lambda *args, **kwargs: impl)
+    monkeypatch.setattr(gg.impls, "_gmm_grouped_mm", recorder)
+    monkeypatch.setattr(gg.impls, "_gmm_npu", recorder)
+    monkeypatch.setattr(gg.impls, "_gmm_loop", lambda a, b, sizes, trans_a, trans_b, c: recorder(a, b, None, sizes, trans_a,
                                                                                        trans_b, c))
     a, b, sizes = _gmm_inputs(torch.device("cpu"), False, True)
     c = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
@@ -343,7 +343,7 @@ def test_ops_gmm_under_autocast_gives_float32_gradients_and_replays_autocast(dev
         states.append((torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gg, "gmm", recording_gmm)
+    monkeypatch.setattr(gg.entry, "gmm", recording_gmm)  # what GroupedGemm calls
     with torch.autocast(device.type, dtype=amp):
         out = gg.ops.gmm(a32, b32, sizes, trans_b=trans_b)
     forward_states, states[:] = list(states), []

@@ -1,6 +1,6 @@
 """The block-sparse kernels (``kernels/blocksparse.py``) against float64 dense references.
 
-Every sparse operand is built from a block mask with ``tests/blocksparse_impl.py`` (BCSR metadata
+Every sparse operand is built from a block mask with ``tests/support/blocksparse_impl.py`` (BCSR metadata
 and the transpose metadata in plain Python, independently of the kernels, in the order MegaBlocks'
 ``sparse_transpose`` gives: column by column, rows ascending), its dense float64 form from the same
 blocks; every output is poisoned with NaN first, so an element the kernel does not write fails the
@@ -432,7 +432,7 @@ def test_int64_is_chosen_from_shapes_and_strides(monkeypatch, big):
 def test_dimensions_past_int32_are_refused(monkeypatch):
     """Indices within a dimension and tile counts are int32 in the kernels: the launchers refuse
     more (checked here with the limit lowered, as no such tensor fits this machine)."""
-    monkeypatch.setattr(bs, "_INT32_MAX", 40)
+    monkeypatch.setattr(bs, "_EXTENT_LIMIT", 40)
     monkeypatch.setattr(bs, "_sdd", _NoLaunch())
     gen = torch.Generator().manual_seed(14)
     topo = make_topology("all", 1, 1, 16, gen)

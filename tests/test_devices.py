@@ -117,8 +117,8 @@ def test_slice_ops_resolved_across_api_generations():
     assert ops.source == "triton.language" and ops.insert_slice() == "insert_slice"
     bare = types.SimpleNamespace(__name__="triton.language")  # standard Triton / newer triton-ascend
     assert compat.slice_ops(bare, extension_module="megablocks_ascend_no_such_module") is None
-    ext = compat.slice_ops(bare, extension_module="tests._fake_cann_extension")
-    assert ext is not None and ext.source == "tests._fake_cann_extension" and ext.get_element() == "get_element"
+    ext = compat.slice_ops(bare, extension_module="tests.support._fake_cann_extension")
+    assert ext is not None and ext.source == "tests.support._fake_cann_extension" and ext.get_element() == "get_element"
     assert compat.slice_ops(bare, extension_module="tests") is None  # a module without the ops
     # What this machine has: standard Triton, neither location.
     if not compat.is_triton_ascend():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,31 @@ def test_every_file_the_checklists_name_exists():
     assert len(paths) > 20, paths
     for path in sorted(paths):
         assert (ROOT / path).exists(), path
+
+
+LONG = 600  # lines: a module past it says why it is one idea ("One idea: ..." in its docstring)
+_SPLIT_ELSEWHERE = {"kernels/routing.py", "bench/steps.py"}  # being split on another branch
+
+
+def test_a_long_module_says_why_it_is_one_idea():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name in _SPLIT_ELSEWHERE or len(path.read_text().splitlines()) <= LONG:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "One idea: " in doc, f"{name}: over {LONG} lines, and its docstring does not say why it is one idea"
+
+
+def test_the_tests_folder_holds_tests_and_their_helpers_sit_in_support():
+    """tests/ holds test files and conftest.py; what they import (references, fakes, detectors)
+    is in tests/support/, which holds no test. (census_variants.py: kernels the gate's tests load
+    by module path, tests.census_variants.)"""
+    tests = ROOT / "tests"
+    loose = {p.name for p in tests.glob("*.py")
+             if not p.name.startswith("test_") and p.name not in ("conftest.py", "census_variants.py")}
+    assert not loose, sorted(loose)
+    support = {p.name for p in (tests / "support").glob("*.py")}
+    assert support and not {n for n in support if n.startswith("test_")}
 
 
 def test_every_link_reaches_a_heading():
@@ -59,6 +85,24 @@ def test_every_kernel_module_is_in_the_gates_table():
     assert {spec.name for spec in table.KERNELS} >= {
         name for m in modules for name, v in vars(importlib.import_module(f"megablocks_ascend.kernels.{m}")).items()
         if isinstance(v, Kernel)}
+
+
+# The launchers whose host arithmetic is not yet kernels/launch.py's (switched once issue 33's
+# changes to them are in).
+_OWN_HOST_HELPERS = {"routing.py", "preparation.py"}
+
+
+def test_the_launchers_share_one_cdiv_and_one_int32_bound():
+    """``cdiv`` and the int32 bound live in kernels/launch.py: no other kernel module defines its
+    own (``def _cdiv``, ``2**31``, ``1 << 31``) or rounds up by hand (``-(-a // b)``)."""
+    pattern = re.compile(r"def_?cdiv\b|2\*\*31|1<<31|-\(-")
+    for path in sorted((PACKAGE / "kernels").glob("*.py")):
+        if path.name in _OWN_HOST_HELPERS | {"launch.py"}:
+            continue
+        with path.open() as f:  # the code's tokens, without comments and strings (docstrings)
+            code = "".join(t.string for t in tokenize.generate_tokens(f.readline)
+                           if t.type not in (tokenize.COMMENT, tokenize.STRING))
+        assert not pattern.findall(code), (path.name, pattern.findall(code))
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""CPU tests for the grouped_gemm stand-in (megablocks_ascend/native/grouped_gemm.py).
+"""CPU tests for the grouped_gemm stand-in (the package megablocks_ascend/native/grouped_gemm/).
 
-The module under test is loaded straight from its file so these tests do not
-depend on the rest of megablocks_ascend (written concurrently) importing.
+A test that replaces one of its functions does so on the module that defines it
+(``gg.choice._select_impl``, ``gg.impls._gmm_npu``, ...), where every caller looks it up.
 """
 
 import importlib.util
@@ -15,18 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megablocks_ascend.native import grouped_gemm as gg
+
 REPO = Path(__file__).resolve().parents[1]
-GG_PATH = REPO / 'megablocks_ascend' / 'native' / 'grouped_gemm.py'
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location('_mba_grouped_gemm_under_test', GG_PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gg = _load()
 
 
 # --------------------------------------------------------------------------
@@ -347,7 +338,7 @@ def test_impl_name_on_cpu(dtype):
     """CPU tensors: torch._grouped_mm's CPU kernel (torch >= 2.9) for bf16/fp16/fp32 operands
     whose strides are multiples of 16 bytes, the loop otherwise."""
     a, b, bs = make_inputs([2, 3], False, False, dtype=dtype, k=16, n=16)
-    kernel = gg._cpu_supports_grouped_mm() and dtype != torch.float64
+    kernel = gg.choice._cpu_supports_grouped_mm() and dtype != torch.float64
     assert gg.gmm_impl_name(a) == ('torch._grouped_mm' if kernel else 'loop')
     assert gg.gmm_impl_name(a, b, bs) == ('torch._grouped_mm' if kernel else 'loop')
     a, b, bs = make_inputs([2, 3], False, False, dtype=dtype, k=6, n=16)   # 6 elements: unaligned
@@ -362,11 +353,11 @@ def test_impl_name_cuda_selection_logic(monkeypatch):
     gate are wired; says nothing about a real GPU.
     """
     cuda_a = lambda dt: types.SimpleNamespace(device=torch.device('cuda', 0), dtype=dt)
-    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda idx: True)
+    monkeypatch.setattr(gg.choice, '_cuda_device_supports_grouped_mm', lambda idx: True)
     assert gg.gmm_impl_name(cuda_a(torch.bfloat16)) == 'torch._grouped_mm'
     assert gg.gmm_impl_name(cuda_a(torch.float16)) == 'loop'
     assert gg.gmm_impl_name(cuda_a(torch.float32)) == 'loop'
-    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda idx: False)
+    monkeypatch.setattr(gg.choice, '_cuda_device_supports_grouped_mm', lambda idx: False)
     assert gg.gmm_impl_name(cuda_a(torch.bfloat16)) == 'loop'
 
 
@@ -402,12 +393,12 @@ def test_grouped_mm_alignment_gate():
     for ta, tb, a, b in [(False, False, ok_a, ok_b),
                          (False, True, ok_a, ok_b.transpose(1, 2).contiguous()),
                          (True, False, torch.randn(16, 32, dtype=bf), torch.randn(16, 24, dtype=bf))]:
-        ma, mb = gg._grouped_mm_operands(a, b, ta, tb)
-        assert gg._grouped_mm_strides_ok(ma) and gg._grouped_mm_strides_ok(mb)
+        ma, mb = gg.choice._grouped_mm_operands(a, b, ta, tb)
+        assert gg.choice._grouped_mm_strides_ok(ma) and gg.choice._grouped_mm_strides_ok(mb)
     # K = 12 is not a multiple of 8 bf16 elements (16 bytes) -> rejected.
-    assert not gg._grouped_mm_strides_ok(torch.randn(16, 12, dtype=bf))
+    assert not gg.choice._grouped_mm_strides_ok(torch.randn(16, 12, dtype=bf))
     # Neither of the last two strides is 1 -> rejected.
-    assert not gg._grouped_mm_strides_ok(torch.randn(16, 64, dtype=bf)[:, ::2])
+    assert not gg.choice._grouped_mm_strides_ok(torch.randn(16, 64, dtype=bf)[:, ::2])
 
 
 # --------------------------------------------------------------------------
@@ -432,7 +423,7 @@ def test_grouped_mm_branch_with_recording_fake(monkeypatch, trans_a, trans_b):
     ``c`` is filled and returned.  Does not prove anything about the CUDA
     kernels, alignment on a real GPU, or performance.
     """
-    monkeypatch.setattr(gg, '_grouped_mm_writes_empty_groups', lambda device: False)
+    monkeypatch.setattr(gg.empty_groups, '_grouped_mm_writes_empty_groups', lambda device: False)
     real = torch._grouped_mm
     calls = []
 
@@ -450,7 +441,7 @@ def test_grouped_mm_branch_with_recording_fake(monkeypatch, trans_a, trans_b):
     a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.bfloat16, k=16, n=24)
     ref = ref_gmm(a, b, sizes, trans_a, trans_b)
     c = torch.full(tuple(ref.shape), float('nan'), dtype=torch.bfloat16)
-    out = gg._gmm_grouped_mm(a, b, bs, sizes, trans_a, trans_b, c)
+    out = gg.impls._gmm_grouped_mm(a, b, bs, sizes, trans_a, trans_b, c)
 
     assert out is c
     assert rel_err(c, ref) < TOL[torch.bfloat16]
@@ -545,7 +536,7 @@ def test_npu_branch_with_fake_torch_npu(monkeypatch, trans_a, trans_b):
     a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.bfloat16, k=8, n=6)
     ref = ref_gmm(a, b, sizes, trans_a, trans_b)
     c = torch.full(tuple(ref.shape), float('nan'), dtype=torch.bfloat16)
-    out = gg._gmm_npu(a, b, bs, sizes, trans_a, trans_b, c)
+    out = gg.impls._gmm_npu(a, b, bs, sizes, trans_a, trans_b, c)
 
     assert out is c
     assert rel_err(c, ref) < TOL[torch.bfloat16]
@@ -568,8 +559,8 @@ def test_npu_branch_float32(monkeypatch, trans_a, trans_b):
     float32 result, as accurate as the float64 reference allows; device sizes, no host read."""
     fake = _FakeTorchNpu()
     monkeypatch.setitem(sys.modules, 'torch_npu', fake)
-    monkeypatch.setattr(gg, '_select_impl', lambda *args, **kw: 'npu_grouped_matmul')
-    monkeypatch.setattr(gg, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
+    monkeypatch.setattr(gg.choice, '_select_impl', lambda *args, **kw: 'npu_grouped_matmul')
+    monkeypatch.setattr(gg.checks, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
     sizes = [3, 0, 5, 2]
     a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.float32, k=8, n=6)
     out = gg.backend.gmm(a, b, bs, trans_a=trans_a, trans_b=trans_b)
@@ -589,7 +580,7 @@ def test_npu_single_group_goes_to_the_loop(monkeypatch):
     one = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(1, 16, 24), numel=lambda: 384)
     two = types.SimpleNamespace(device=npu, dtype=torch.bfloat16, shape=(2, 16, 24), numel=lambda: 768)
     assert gg.gmm_impl_name(a, one) == 'loop' and gg.gmm_impl_name(a, two) == 'npu_grouped_matmul'
-    monkeypatch.setattr(gg, '_fill_kernel_runs', lambda device: True)
+    monkeypatch.setattr(gg.empty_groups, '_fill_kernel_runs', lambda device: True)
     assert not gg.takes_device_sizes(npu, torch.bfloat16, (2048, 768), 1)
 
 
@@ -597,7 +588,7 @@ def test_full_dispatch_reaches_npu_branch(monkeypatch):
     """gmm() routes to the NPU branch when the selector says so (CPU tensors, fake op)."""
     fake = _FakeTorchNpu()
     monkeypatch.setitem(sys.modules, 'torch_npu', fake)
-    monkeypatch.setattr(gg, '_select_impl', lambda *args, **kw: 'npu_grouped_matmul')
+    monkeypatch.setattr(gg.choice, '_select_impl', lambda *args, **kw: 'npu_grouped_matmul')
     sizes = [2, 4]
     a, b, bs = make_inputs(sizes, False, True, dtype=torch.bfloat16, k=8, n=6)
     out = gg.backend.gmm(a, b, bs, trans_b=True)
@@ -610,12 +601,12 @@ def test_full_dispatch_reaches_npu_branch(monkeypatch):
 # --------------------------------------------------------------------------
 
 needs_cpu_grouped_mm = pytest.mark.skipif(
-    not gg._cpu_supports_grouped_mm(),
+    not gg.choice._cpu_supports_grouped_mm(),
     reason=f'torch {torch.__version__} has no CPU kernel for torch._grouped_mm (needs torch >= 2.9)')
 
 
 def _no_host_reads(fn):
-    """Run ``fn`` and fail on any read of tensor values into Python (see tests/host_syncs.py)."""
+    """Run ``fn`` and fail on any read of tensor values into Python (see tests/support/host_syncs.py)."""
     from host_syncs import HostSyncs
     with HostSyncs() as syncs:
         out = fn()
@@ -686,8 +677,8 @@ def test_device_group_layout_is_computed_once_per_tensor_and_version(monkeypatch
     """The GEMMs of one step share the offsets computed from one batch_sizes tensor; an in-place
     change of the tensor recomputes them; during a graph capture nothing is reused."""
     made = []
-    real = gg._DeviceGroups.__init__
-    monkeypatch.setattr(gg._DeviceGroups, '__init__',
+    real = gg.device_sizes._DeviceGroups.__init__
+    monkeypatch.setattr(gg.device_sizes._DeviceGroups, '__init__',
                         lambda self, *args: made.append(args[0]) or real(self, *args))
     sizes = [8, 0, 16, 8]
     a, b, bs = make_inputs(sizes, False, True, k=16, n=24)
@@ -713,14 +704,14 @@ def test_device_group_ends_stay_inside_the_operands():
     for trial in range(200):
         rows = int(torch.randint(0, 40, (1,), generator=g))
         sizes = torch.randint(-20, 30, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
-        ends = gg._DeviceGroups(None, sizes.int(), rows).ends
+        ends = gg.device_sizes._DeviceGroups(None, sizes.int(), rows).ends
         assert ends.dtype == torch.int64
         assert bool((ends >= 0).all()) and bool((ends <= rows).all())
         assert bool((ends[1:] >= ends[:-1]).all())
-        counts = gg._DeviceGroups(None, sizes, rows).counts
+        counts = gg.device_sizes._DeviceGroups(None, sizes, rows).counts
         assert bool((counts >= 0).all()) and int(counts.sum()) <= rows
     valid = torch.tensor([3, 0, 5, 2])
-    groups = gg._DeviceGroups(None, valid, 10)
+    groups = gg.device_sizes._DeviceGroups(None, valid, 10)
     assert groups.offsets.tolist() == [3, 3, 8, 10] and groups.offsets.dtype == torch.int32
     assert groups.counts.tolist() == [3, 0, 5, 2]
     assert groups.empty.flatten().tolist() == [False, True, False, False]
@@ -767,7 +758,7 @@ def test_grouped_mm_branch_device_sizes_with_recording_fake(monkeypatch, trans_a
     cumulative ends on the operands' device, computed without reading batch_sizes; empty groups
     of the trans_a form are zeroed (on the device: kernels/grouped.py, in the interpreter here) where
     the kernel is not known to write them (CUDA, simulated here) and leaves garbage there."""
-    monkeypatch.setattr(gg, '_grouped_mm_writes_empty_groups', lambda device: False)
+    monkeypatch.setattr(gg.empty_groups, '_grouped_mm_writes_empty_groups', lambda device: False)
     real = torch._grouped_mm
     calls = []
 
@@ -780,10 +771,10 @@ def test_grouped_mm_branch_device_sizes_with_recording_fake(monkeypatch, trans_a
         return out
 
     monkeypatch.setattr(torch, '_grouped_mm', fake)
-    monkeypatch.setattr(gg, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
+    monkeypatch.setattr(gg.checks, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
     sizes = [8, 0, 16, 8]
     a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.bfloat16, k=16, n=24)
-    out = gg._gmm_grouped_mm(a, b, bs, None, trans_a, trans_b, None)
+    out = gg.impls._gmm_grouped_mm(a, b, bs, None, trans_a, trans_b, None)
     assert rel_err(out, ref_gmm(a, b, sizes, trans_a, trans_b)) < TOL[torch.bfloat16]
     (offs,) = calls
     assert offs.dtype == torch.int32 and offs.device == a.device and offs.tolist() == [8, 8, 24, 32]
@@ -798,10 +789,10 @@ def test_npu_branch_device_sizes_with_fake_torch_npu(monkeypatch, trans_a, trans
     NPU kernel; NOT run on an NPU.)"""
     fake = _FakeTorchNpu()
     monkeypatch.setitem(sys.modules, 'torch_npu', fake)
-    monkeypatch.setattr(gg, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
+    monkeypatch.setattr(gg.checks, '_host_sizes', lambda *a: pytest.fail('batch_sizes was read on the host'))
     sizes = [3, 0, 5, 2]
     a, b, bs = make_inputs(sizes, trans_a, trans_b, dtype=torch.bfloat16, k=8, n=6)
-    out = gg._gmm_npu(a, b, bs.int(), None, trans_a, trans_b, None)
+    out = gg.impls._gmm_npu(a, b, bs.int(), None, trans_a, trans_b, None)
     assert rel_err(out, ref_gmm(a, b, sizes, trans_a, trans_b)) < TOL[torch.bfloat16]
     (call,) = fake.calls
     assert call['group_list_type'] == 1 and call['group_list'].tolist() == sizes
@@ -813,7 +804,7 @@ def test_takes_device_sizes_per_device(monkeypatch):
     """Which (device, dtype, sizes) keep MegaBlocks' token counts on the device. CUDA and NPU
     with their capability probes forced (no GPU or NPU here)."""
     cpu, bf, fp16, fp32 = torch.device('cpu'), torch.bfloat16, torch.float16, torch.float32
-    kernel = gg._cpu_supports_grouped_mm()
+    kernel = gg.choice._cpu_supports_grouped_mm()
     for dtype in (bf, fp16, fp32):
         assert gg.takes_device_sizes(cpu, dtype, (64, 128), 8) == kernel
     assert not gg.takes_device_sizes(cpu, torch.float64, (64, 128), 8)
@@ -822,17 +813,17 @@ def test_takes_device_sizes_per_device(monkeypatch):
     assert not gg.takes_device_sizes(torch.device('meta'), fp32, (64, 128), 8)
 
     cuda = torch.device('cuda', 0)
-    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: True)
+    monkeypatch.setattr(gg.choice, '_cuda_device_supports_grouped_mm', lambda index: True)
     for major, expected in ((8, False), (9, True), (10, True), (12, False)):
         monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda index, m=major: (m, 0))
         assert gg.takes_device_sizes(cuda, bf, (2048, 768), 128) == expected, major
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda index: (9, 0))
     assert not gg.takes_device_sizes(cuda, fp16, (2048, 768), 128)   # fp16: torch's fallback syncs
     assert not gg.takes_device_sizes(cuda, bf, (2048, 764), 128)     # 764 bf16: not 16-aligned
-    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: False)
+    monkeypatch.setattr(gg.choice, '_cuda_device_supports_grouped_mm', lambda index: False)
     assert not gg.takes_device_sizes(cuda, bf, (2048, 768), 128)
 
-    monkeypatch.setattr(gg, '_cuda_device_supports_grouped_mm', lambda index: True)
+    monkeypatch.setattr(gg.choice, '_cuda_device_supports_grouped_mm', lambda index: True)
     assert gg.takes_device_sizes(cuda, bf, (2048, 768), 1023)
     assert not gg.takes_device_sizes(cuda, bf, (2048, 768), 1024)   # the CUTLASS kernel's limit
 
@@ -842,9 +833,9 @@ def test_takes_device_sizes_per_device(monkeypatch):
     assert not gg.takes_device_sizes(npu, bf, (2048, 768), 128)      # no npu_grouped_matmul
     sys.modules['torch_npu'].npu_grouped_matmul = lambda *a, **k: None
     # The empty-group fill of the weight gradients is a Triton kernel: no triton-ascend, no device sizes.
-    assert not gg._fill_kernel_runs(npu)                             # standard triton here
+    assert not gg.empty_groups._fill_kernel_runs(npu)                             # standard triton here
     assert not gg.takes_device_sizes(npu, bf, (2048, 768), 128)
-    monkeypatch.setattr(gg, '_fill_kernel_runs', lambda device: True)
+    monkeypatch.setattr(gg.empty_groups, '_fill_kernel_runs', lambda device: True)
     assert gg.takes_device_sizes(npu, bf, (2048, 768), 128)
     assert gg.takes_device_sizes(npu, fp16, (2048, 766), 128)        # no 16-byte rule documented
     assert gg.takes_device_sizes(npu, fp32, (2048, 768), 128)        # Atlas A2: documented
@@ -877,9 +868,7 @@ def test_make_modules_layout():
 def test_make_modules_satisfies_import_in_subprocess():
     script = textwrap.dedent(f'''
         import importlib.util, sys, warnings
-        spec = importlib.util.spec_from_file_location('_mba_gg', {str(GG_PATH)!r})
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        from megablocks_ascend.native import grouped_gemm as mod
         sys.modules.update(mod.make_modules())
 
         import grouped_gemm

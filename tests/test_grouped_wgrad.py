@@ -30,7 +30,7 @@ PATTERNS = {  # group sizes: which experts received no tokens
 IMPLS = ("loop", "grouped_mm", "grouped_mm-guarded", "npu")
 
 needs_grouped_mm = pytest.mark.skipif(
-    not gg._cpu_supports_grouped_mm(),
+    not gg.choice._cpu_supports_grouped_mm(),
     reason=f"torch {torch.__version__} has no CPU kernel for torch._grouped_mm (needs torch >= 2.9)")
 
 
@@ -56,7 +56,7 @@ def _route_to(monkeypatch, name):
     the real selection sends it)."""
     def select(a, b=None, *args, **kwargs):
         return gg.IMPL_LOOP if a.numel() == 0 or (b is not None and b.numel() == 0) else name
-    monkeypatch.setattr(gg, "_select_impl", select)
+    monkeypatch.setattr(gg.choice, "_select_impl", select)
 
 
 def use_impl(monkeypatch, impl):
@@ -64,13 +64,13 @@ def use_impl(monkeypatch, impl):
     if impl == "loop":
         _route_to(monkeypatch, gg.IMPL_LOOP)
     elif impl in ("grouped_mm", "grouped_mm-guarded"):
-        if not gg._cpu_supports_grouped_mm():
+        if not gg.choice._cpu_supports_grouped_mm():
             pytest.skip(f"torch {torch.__version__} has no CPU kernel for torch._grouped_mm")
         _route_to(monkeypatch, gg.IMPL_GROUPED_MM)
         if impl == "grouped_mm-guarded":
             # As on a GPU whose kernel is not known to write empty K-groups: this one writes garbage.
             real = torch._grouped_mm
-            monkeypatch.setattr(gg, "_grouped_mm_writes_empty_groups", lambda device: False)
+            monkeypatch.setattr(gg.empty_groups, "_grouped_mm_writes_empty_groups", lambda device: False)
 
             def poisoning(mat_a, mat_b, offs=None, **kw):
                 out = real(mat_a, mat_b, offs=offs, **kw)
@@ -95,7 +95,7 @@ def test_weight_gradient_of_empty_groups_is_exactly_zero(monkeypatch, impl, patt
     the weight gradient of every empty group is exactly zero."""
     use_impl(monkeypatch, impl)
     if where == "host":
-        monkeypatch.setattr(gg, "_device_sizes", lambda batch_sizes, a: False)
+        monkeypatch.setattr(gg.checks, "_device_sizes", lambda batch_sizes, a: False)
     sizes = PATTERNS[pattern]
     a, b, bs = make_inputs(sizes, False, True, k=16, n=24, seed=3)
     a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -129,7 +129,7 @@ def test_cpu_kernel_writes_empty_groups_itself():
     poisoned = torch.full((16, 24), float("nan"))
     torch.mm(a[:, :0], b[:0], out=poisoned)
     assert torch.count_nonzero(_bits(poisoned)) == 0
-    assert not gg._grouped_mm_writes_empty_groups(torch.device("cuda"))
+    assert not gg.empty_groups._grouped_mm_writes_empty_groups(torch.device("cuda"))
     sizes = [0, 8, 0, 8]
     x, y, bs = make_inputs(sizes, True, False, k=16, n=24)
     out = torch._grouped_mm(x.t(), y, offs=bs.cumsum(0).int())

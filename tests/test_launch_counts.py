@@ -28,7 +28,7 @@ from megablocks_ascend.native import grouped_gemm
 # the offsets computed once per step) and one torch.mm per non-empty expert before that, so the
 # grouped dMoE's count depends on the torch version (the CI points: 2.13 and 2.7.1); the other
 # layers' do not.
-GEMM = "torch._grouped_mm" if grouped_gemm._cpu_supports_grouped_mm() else "loop"
+GEMM = "torch._grouped_mm" if grouped_gemm.choice._cpu_supports_grouped_mm() else "loop"
 
 # Launches per step at E=16, top_k=4, 64 tokens, hidden 64, ffn 128 (layer_step's defaults): float32
 # parameters and input, the forward either in float32 or under torch.autocast(bfloat16) ("amp": the

@@ -2,7 +2,7 @@
 
 Skipped where LLM Foundry is not installed; CI runs this file at its ``llmfoundry`` point
 (``tools/bootstrap.sh llmfoundry``). Each check runs in a fresh process that imports LLM Foundry
-first, as its ``train.py`` does (tests/llmfoundry_checks.py).
+first, as its ``train.py`` does (tests/support/llmfoundry_checks.py).
 """
 
 import importlib.util
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llmfoundry") is None,
 def check(*args):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MEGABLOCKS_BACKEND")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "llmfoundry_checks.py"), *args],
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "llmfoundry_checks.py"), *args],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return json.loads(r.stdout.split("RESULT ", 1)[1])

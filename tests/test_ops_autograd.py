@@ -5,7 +5,7 @@ Each op runs under ``use_backend('ascend')`` (our Triton kernels, interpreted) a
 
 * against an oracle built from float64 PyTorch ops that autograd can differentiate
   (``index_select`` / ``index_copy`` / ``index_add`` on the slot -> row map that
-  ``tests/reference_impl.py`` derives from the seed's definitions): the forward output, the
+  ``tests/support/reference_impl.py`` derives from the routing ops' definitions): the forward output, the
   gradient of ``x`` and the gradient of the router weights. The kernels take fp32, fp16 and
   bf16 only, so ``gradcheck`` in float64 is not possible; fp32 results are held to 1e-5
   relative (of the largest reference value, so that a wgrad that cancels to ~0 is not held to

@@ -316,9 +316,10 @@ def test_cast_if_autocast_enabled_follows_the_tensor_device():
 
 def test_every_patch_module_is_registered_once_under_its_own_name():
     """One module per patch: every module in megablocks_ascend/patching/ but the registry is in
-    ORDER, each module's PATCH is named after it and is the registry's, in ORDER's order."""
+    ORDER, each module's PATCH is named after it and is the registry's, in ORDER's order. (The
+    registry and the pages' tool are the two modules there that are not patches.)"""
     folder = ROOT / "megablocks_ascend" / "patching"
-    modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "registry"}
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "registry", "pages"}
     assert sorted(patching.ORDER) == sorted(modules)  # each listed once, none forgotten
     assert len(set(patching.ORDER)) == len(patching.ORDER)
     assert patching.ORDER[0] == "triton_driverless"  # every later patch imports stk
@@ -343,6 +344,42 @@ def test_every_patch_is_documented_in_patches_folder():
         for heading in ("## Why", "## How", "## Upstream fix", "## Tests"):
             assert heading in text, (patch.name, heading)
         assert f"[{patch.name}]" in index
+
+
+def test_every_patch_record_is_the_first_paragraph_of_its_pages_sections():
+    """PATCH.why, .how and .upstream_fix are the one source of the first paragraph of the page's
+    ``## Why``, ``## How`` and ``## Upstream fix`` (``python -m megablocks_ascend.patching.pages
+    --write`` rewrites them from the records)."""
+    from megablocks_ascend.patching import pages
+    assert pages.stale() == {}
+
+
+def test_the_pages_tool_rewrites_exactly_the_first_paragraphs():
+    """With every section's first paragraph replaced, a rewrite gives back each section's record,
+    and touches nothing else of the page."""
+    from megablocks_ascend.patching import pages
+    for patch in patching.PATCHES:
+        page = (ROOT / "patches" / f"{patch.name}.md").read_text()
+        lines = page.splitlines()
+        for heading in reversed(pages.SECTIONS.values()):
+            start, end = pages._lead(lines, heading)
+            lines[start:end] = ["Out of date.", "Two lines."]
+        broken = "\n".join(lines) + "\n"
+        assert len(pages.differences(patch, broken)) == 3, patch.name
+        fixed = pages.rewrite(patch, broken)
+        assert pages.differences(patch, fixed) == [], patch.name
+        assert pages.rewrite(patch, page) == page, patch.name  # an agreeing page is left as it is
+        assert _outside_leads(fixed) == _outside_leads(page), patch.name  # the rest is the page's own
+
+
+def _outside_leads(page: str) -> list[str]:
+    """The page's lines but the first paragraph of each of the record's sections."""
+    from megablocks_ascend.patching import pages
+    lines = page.splitlines()
+    for heading in reversed(pages.SECTIONS.values()):
+        start, end = pages._lead(lines, heading)
+        del lines[start:end]
+    return lines
 
 
 def test_use_backend_also_serves_backward_run_by_another_thread():

@@ -5,7 +5,7 @@
 that follow). It is checked against:
 
 * a plain Python loop written from the definitions (a stable sort of the ids; counts; inclusive
-  sums; counts rounded up to the block), and for the route maps ``tests/reference_impl.py``'s
+  sums; counts rounded up to the block), and for the route maps ``tests/support/reference_impl.py``'s
   position -> row lists;
 * MegaBlocks' own sequence (``ops.sort`` / ``ops.histogram`` / ``ops.inclusive_cumsum`` /
   ``ops.round_up``, through the ``megablocks_ops`` stand-in's PyTorch code);
@@ -611,7 +611,7 @@ def test_selftest_checks_the_preparation(monkeypatch):
 # The preparation's bins as the grouped GEMM's group ends
 
 
-@pytest.mark.skipif(not grouped_gemm._cpu_supports_grouped_mm(),
+@pytest.mark.skipif(not grouped_gemm.choice._cpu_supports_grouped_mm(),
                     reason=f"torch {torch.__version__} has no CPU kernel for torch._grouped_mm (needs torch >= 2.9)")
 @pytest.mark.parametrize("backend", ["ascend", "torch"])
 def test_the_preparations_bins_serve_the_grouped_gemms_as_group_ends(backend, monkeypatch):
@@ -627,7 +627,7 @@ def test_the_preparations_bins_serve_the_grouped_gemms_as_group_ends(backend, mo
         indices, _, bins, tokens_per_expert, _ = ops.prepare_routing(ids, 4)
     rows, sizes = indices.shape[0], tokens_per_expert.tolist()
     assert sizes == [3, 3, 0, 4]
-    kept = tokens_per_expert.__dict__[grouped_gemm._GROUPS_ATTR]
+    kept = tokens_per_expert.__dict__[grouped_gemm.device_sizes._GROUPS_ATTR]
     assert kept.ends is bins and kept.offsets is bins  # (int32: nothing to cast)
     assert kept.counts.dtype == torch.int64 and kept.counts.tolist() == sizes  # npu_grouped_matmul's group_list
     gen = torch.Generator().manual_seed(0)
@@ -671,12 +671,12 @@ def test_the_preparations_bins_serve_the_grouped_gemms_as_group_ends(backend, mo
     assert recomputes(tokens_per_expert)
     with backends.use_backend(backend):
         _, _, _, tokens_per_expert, _ = ops.prepare_routing(ids[:4], 4)  # 8 assignments, not 10
-    kept = tokens_per_expert.__dict__[grouped_gemm._GROUPS_ATTR]
+    kept = tokens_per_expert.__dict__[grouped_gemm.device_sizes._GROUPS_ATTR]
     assert kept.key[1] == 8 and not kept.current((tokens_per_expert._version, rows))
     monkeypatch.setattr(keeping, "capturing", lambda device: True)
     with backends.use_backend(backend):
         _, _, _, tokens_per_expert, _ = ops.prepare_routing(ids, 4)
-    assert grouped_gemm._GROUPS_ATTR not in tokens_per_expert.__dict__  # nothing kept during a capture
+    assert grouped_gemm.device_sizes._GROUPS_ATTR not in tokens_per_expert.__dict__  # nothing kept during a capture
 
 
 @pytest.mark.parametrize("npu_form", [True, False], ids=["npu-form", "cuda-form"])

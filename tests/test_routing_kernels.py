@@ -3,7 +3,7 @@
 For every kernel function of the three families (binned, dropless, padded) and both of our
 implementations ('ascend': ``megablocks_ascend.kernels.routing`` run by the Triton
 interpreter; 'torch': ``megablocks_ascend.reference``), each case is compared with
-``tests/reference_impl.py`` (float64 loops written from the seed's definitions) and with
+``tests/support/reference_impl.py`` (float64 loops written from the routing ops' definitions) and with
 upstream MegaBlocks' own kernel on the same inputs (``upstream_kernels``, also interpreted).
 
 What is asserted, by kind:
@@ -75,8 +75,8 @@ class Case:
     index_dtype: torch.dtype = torch.int32
 
 
-# The case matrix. Not a cross product: each case combines several of the situations the seed
-# names, so that together they cover all of them for every family, with every dtype, both
+# The case matrix. Not a cross product: each case combines several of the situations the definitions
+# name, so that together they cover all of them for every family, with every dtype, both
 # weighted and unweighted, and both the forced small tile (4 rows x 16 features, with 1 and 3
 # programs) and the launcher's default tile. Hidden sizes 1, 3, 37 and 130 are not multiples
 # of either tile width (16 forced; 256 default in the interpreter).

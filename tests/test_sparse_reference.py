@@ -3,7 +3,7 @@
 Every call goes in through ``stk.backend.triton_kernels.<name>`` (what stk's autograd functions
 and MegaBlocks call) with ``use_backend(backend)``, for ``ascend`` (our Triton kernels, in the
 interpreter here) and ``torch`` (``megablocks_ascend.reference.blocksparse``), and the trace must
-show that backend served it. Results are compared with ``tests/blocksparse_impl.py`` (float64,
+show that backend served it. Results are compared with ``tests/support/blocksparse_impl.py`` (float64,
 block by block) over topologies with empty block rows and columns, no block, one block and all
 blocks; both transposes stk uses (``transpose_a``/``transpose_b``, and dense operands given as
 ``.t()`` views); fp32, fp16 and bf16; dense dimensions that are not multiples of anything; and

@@ -2,7 +2,7 @@
 upstream's exact sizes, a bound that holds for any routing, and the switch back
 (``MEGABLOCKS_ASCEND_SPARSE_SIZES=exact``) with its capture error.
 
-The host-sync check is ``tests/host_syncs.py``'s (every read of device values into Python, every
+The host-sync check is ``tests/support/host_syncs.py``'s (every read of device values into Python, every
 cross-device copy, every data-dependent-size op, in MegaBlocks' code and ours; on CPU, CPU tensors
 count as device tensors). Graph capture itself needs CUDA: ``tests/test_host_sync.py`` captures the
 sparse step there, and BENCHMARKS.md has the H200's runs.

@@ -8,6 +8,10 @@ directly; each writes its result into ``out``. They take the arguments that
 every argument once, before any launch, and the launchers check only what depends on their own
 choices (a ``tile`` they are given, and int32 indexing at their tile).
 
+One idea: stk's block-sparse products. The three products share the sparse operand's layout, the
+offset rules, the tile and the launch helpers below, and stk computes each one's gradients with
+the other two, so they are one file, as stk's ``triton_kernels`` is.
+
 The sparse operand
 ------------------
 A sparse matrix of ``shape`` ``(R, C)`` is stored in blocks of ``B x B`` (``B`` in :data:`BLOCK_SIZES`):
@@ -79,10 +83,13 @@ import triton.language as tl
 
 from megablocks_ascend import compat, devices
 from megablocks_ascend.compat import kernel
+from megablocks_ascend.kernels import launch
 
 BLOCK_SIZES = (16, 32, 64, 128)  # block sides the kernels support
-_INT32_MAX = 2**31 - 1
-_OFFSET_LIMIT = _INT32_MAX  # largest element offset the int32 kernels form (lowered in tests)
+# launch.py's int32 convention (a value formed in int32 must be <= launch.INT32_MAX), with the two
+# limits it is applied with here, each lowered by the tests that pretend a tensor is huge:
+_OFFSET_LIMIT = launch.INT32_MAX  # largest element offset the int32 kernels form
+_EXTENT_LIMIT = launch.INT32_MAX  # largest index within one dimension, and tile count (int32 always)
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,10 +455,6 @@ def _row_indices(offsets, out, block_rows, nnz, BLOCK: tl.constexpr):
 # Launch helpers.
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _column_major(stride_r: int, stride_c: int) -> bool:
     """Whether a tile with these (row, column) element strides is loaded transposed: the rows are
     the contiguous dimension and the columns are not."""
@@ -466,18 +469,18 @@ def _max_offset(sizes, strides) -> int:
 
 
 def _needs_int64(*max_offsets: int) -> bool:
-    return max(max_offsets) > _OFFSET_LIMIT
+    return launch.needs_int64(*max_offsets, limit=_OFFSET_LIMIT)
 
 
 def _check_int32_extents(tiles: int, **dims) -> None:
     """Tile counts and indices within one dimension (tiles padded to whole tiles) are int32 in the
     kernels, whatever ``INT64`` says."""
     for name, (size, tile) in dims.items():
-        if _cdiv(size, tile) * tile > _INT32_MAX:
+        if launch.cdiv(size, tile) * tile > _EXTENT_LIMIT:
             _fail(name, f"has a dimension of {size} elements; the kernels index within a dimension in int32 "
-                        f"(at most {_INT32_MAX} elements, tiles included)")
-    if tiles > _INT32_MAX:
-        _fail("shape", f"needs {tiles} output tiles; the kernels count tiles in int32 (at most {_INT32_MAX})")
+                        f"(at most {_EXTENT_LIMIT} elements, tiles included)")
+    if tiles > _EXTENT_LIMIT:
+        _fail("shape", f"needs {tiles} output tiles; the kernels count tiles in int32 (at most {_EXTENT_LIMIT})")
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -532,11 +535,11 @@ def sdd(lhs, rhs, shape, out, offsets, row_indices, column_indices, *, tile=None
     k = lhs.shape[1]
     t = _tile("sdd", lhs.dtype, b, k, device, tile)
     _check_tile(t, b, "sdd")
-    kp = _cdiv(max(k, 1), t.block_k) * t.block_k
+    kp = launch.cdiv(max(k, 1), t.block_k) * t.block_k
     int64 = _needs_int64(_max_offset((m, kp), lhs.stride()), _max_offset((kp, n), rhs.stride()),
                          _max_offset(out.shape, out.stride()))
     pairs = t.pairs and t.block_n == b  # tiles of two whole blocks side by side
-    tiles = _cdiv(nnz, 2) * (b // t.block_m) if pairs else nnz * (b // t.block_m) * (b // t.block_n)
+    tiles = launch.cdiv(nnz, 2) * (b // t.block_m) if pairs else nnz * (b // t.block_m) * (b // t.block_n)
     _check_int32_extents(tiles, lhs=(max(m, k), t.block_k), rhs=(max(k, n), t.block_k))
     _sdd[_grid(device, tiles, t, num_programs)](
         lhs, rhs, out, offsets, row_indices, column_indices,
@@ -570,10 +573,10 @@ def dsd(shape, data, offsets, row_indices, column_indices, offsets_t, column_ind
         return out.zero_()
     t = _tile("dsd", data.dtype, b, n, device, tile, transpose_a)
     _check_tile(t, b, "dsd")
-    np_ = _cdiv(n, t.block_n) * t.block_n
+    np_ = launch.cdiv(n, t.block_n) * t.block_n
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((k, np_), rhs.stride()),
                          _max_offset((m, np_), out.stride()))
-    tiles = (m // t.block_m) * _cdiv(n, t.block_n)
+    tiles = (m // t.block_m) * launch.cdiv(n, t.block_n)
     _check_int32_extents(tiles, rhs=(max(k, n), t.block_n), out=(max(m, n), t.block_n))
     _dsd[_grid(device, tiles, t, num_programs)](
         data, rhs, out, line_offsets, line_indices, block_offsets_t if transpose_a else line_offsets,
@@ -608,10 +611,10 @@ def dds(lhs, shape, data, offsets, row_indices, column_indices, offsets_t, colum
         return out.zero_()
     t = _tile("dds", data.dtype, b, m, device, tile, transpose_b)
     _check_tile(t, b, "dds")
-    mp = _cdiv(m, t.block_m) * t.block_m
+    mp = launch.cdiv(m, t.block_m) * t.block_m
     int64 = _needs_int64(_max_offset(data.shape, data.stride()), _max_offset((mp, k), lhs.stride()),
                          _max_offset((mp, n), out.stride()))
-    tiles = _cdiv(m, t.block_m) * (n // t.block_n)
+    tiles = launch.cdiv(m, t.block_m) * (n // t.block_n)
     _check_int32_extents(tiles, lhs=(max(m, k), t.block_m), out=(max(m, n), t.block_m))
     _dds[_grid(device, tiles, t, num_programs)](
         lhs, data, out, line_offsets, line_indices, line_offsets if transpose_b else block_offsets_t,

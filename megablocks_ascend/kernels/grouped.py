@@ -21,7 +21,7 @@ A program loads the two group ends of its item and, only when the group is empty
 tiles of ``BLOCK`` elements over its chunk (one contiguous DMA per tile on Ascend). The tile mask
 depends on the chunk's position only, never on loaded data (a mask computed from loaded data makes
 triton-ascend store element by element), and folds away when ``BLOCK`` divides the block
-(``EVEN``). Offsets are int32 unless an offset the kernel can form reaches 2**31 (``INT64``).
+(``EVEN``). Offsets are int32 unless a value the kernel forms passes ``launch.INT32_MAX`` (``INT64``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ import triton.language as tl
 
 from megablocks_ascend import devices
 from megablocks_ascend.compat import kernel
+from megablocks_ascend.kernels import launch
 
-_INT32_LIMIT = 2**31
+# launch.py's int32 convention: the largest value the kernel forms must be <= this (lowered in tests).
+_INT32_LIMIT = launch.INT32_MAX
 
 
 @kernel
@@ -68,10 +70,6 @@ def _zero_empty_groups(
                     tl.store(out + base + c, zeros, mask=c < hi)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def zero_empty_groups(out: torch.Tensor, ends: torch.Tensor, *, block: int | None = None,
                       num_programs: int | None = None) -> torch.Tensor:
     """Set ``out[g]`` to zero for every group ``g`` whose rows ``[ends[g-1], ends[g])`` are empty, on
@@ -98,12 +96,13 @@ def zero_empty_groups(out: torch.Tensor, ends: torch.Tensor, *, block: int | Non
     ends = ends.contiguous()
     block = block if block is not None else devices.fill_block(out.dtype, devices.target(out.device))
     chunk = block * devices.FILL_CHUNK_BLOCKS
-    items = groups * _cdiv(group_numel, chunk)
+    items = groups * launch.cdiv(group_numel, chunk)
     group_stride = out.stride(0) if groups > 1 else group_numel
-    span = (groups - 1) * group_stride + _cdiv(group_numel, chunk) * chunk  # largest offset formed, + 1
+    # One past the largest offset stored, and no less than any value the kernel forms (``lo + chunk``).
+    span = (groups - 1) * group_stride + launch.cdiv(group_numel, chunk) * chunk
     n_prog = num_programs if num_programs is not None else devices.num_programs(out.device, items)
     _zero_empty_groups[(max(1, min(n_prog, items)),)](
         out, ends, group_numel, group_stride, chunk, items,
-        INT64=span >= _INT32_LIMIT, EVEN=group_numel % block == 0, BLOCK=block,
+        INT64=launch.needs_int64(span, limit=_INT32_LIMIT), EVEN=group_numel % block == 0, BLOCK=block,
     )
     return out

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from megablocks_ascend import devices
 from megablocks_ascend.compat import kernel
+from megablocks_ascend.kernels import launch
 
 TILE = 512  # index entries per tile of the per-expert loop ([BLOCK_I, BLOCK_K])
 CHUNK = 256  # entries per store of the offsets and spare-block loops
@@ -130,7 +131,7 @@ def topology(padded_bins: torch.Tensor, block_size: int, block_rows: int, blocks
     offsets_t = torch.empty(experts * blocks_per_row + 1, dtype=torch.int32, device=device)
     block_offsets_t = torch.empty(nnz, dtype=torch.int32, device=device)
     block_i, block_k = tile(blocks_per_row)
-    work = max(experts, -(-(block_rows + 1) // CHUNK), -(-nnz // CHUNK))
+    work = max(experts, launch.cdiv(block_rows + 1, CHUNK), launch.cdiv(nnz, CHUNK))
     n = num_programs if num_programs is not None else devices.num_programs(device, work)
     _topology.launch((max(1, min(n, work)),), padded_bins, row_indices, column_indices, offsets, column_indices_t,
                      offsets_t, block_offsets_t, experts, block_rows,

@@ -5,9 +5,12 @@ Each module here is one patch, named after it (``grouped_gemm`` is the ``grouped
 its page ``patches/<name>.md`` saying the same at length. A patch module holds the code it installs,
 an ``apply(patch)`` function that checks the upstream symbols' shape and replaces them, and its
 record ``PATCH`` (a :class:`~megablocks_ascend.patching.registry.Patch`: name, targets, why, how,
-upstream fix). :mod:`~megablocks_ascend.patching.registry` holds what they share: ``Patch``,
-``PatchError``, the shape checks, and the :class:`~megablocks_ascend.patching.registry.Registry`
-that installs them. Patch modules import the registry and the runtime modules, never the reverse,
+upstream fix; the last three are the first paragraphs of the page's sections of those names).
+Two modules here are not patches: :mod:`~megablocks_ascend.patching.registry` holds what the
+patches share (``Patch``, ``PatchError``, the shape checks, and the
+:class:`~megablocks_ascend.patching.registry.Registry` that installs them), and
+:mod:`~megablocks_ascend.patching.pages` writes and checks the pages' first paragraphs from the
+records (a tool; nothing imports it). Patch modules import the registry and the runtime modules, never the reverse,
 and import MegaBlocks, stk and Triton only inside ``apply`` (``import megablocks_ascend`` stays
 light).
 
@@ -21,7 +24,8 @@ Adding a patch:
    at its page, its ``apply(patch)`` and its ``PATCH = Patch(name="<name-with-hyphens>", ...)``;
 2. one line in :data:`ORDER` below, where it must run relative to the others;
 3. a page ``patches/<name-with-hyphens>.md`` (Target, ``## Why``, ``## How``, ``## Upstream fix``,
-   ``## Tests``) and a row in ``patches/README.md``.
+   ``## Tests``; ``python -m megablocks_ascend.patching.pages --write`` writes the record's text into
+   the first three) and a row in ``patches/README.md``.
 
 ``tests/test_plugin.py`` checks that the three agree.
 """

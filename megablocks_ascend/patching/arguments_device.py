@@ -47,9 +47,15 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="arguments-device",
     targets=("megablocks.layers.arguments:Arguments.__init__",),
-    why="Arguments.device defaults to torch.cuda.current_device(), which raises without CUDA.",
-    how="Arguments.__init__ is wrapped: when no device is given it passes default_device() "
-        "(the current NPU, else CUDA's current device as upstream, else the CPU).",
-    upstream_fix="A device-neutral default for Arguments.device (e.g. torch.get_default_device()).",
+    why="`Arguments.device` is declared with `default_factory=torch.cuda.current_device`, so "
+        "`Arguments(...)` without an explicit `device` raises on any machine without CUDA. The dataclass's "
+        "generated `__init__` captured that factory, so changing the field afterwards has no effect.",
+    how="`Arguments.__init__` is wrapped: when the caller passes no `device` (neither by keyword nor by "
+        "position), the wrapper passes `megablocks_ascend.patching.default_device()`: the current NPU when "
+        "torch_npu reports one, else CUDA's current device (upstream's behaviour), else the CPU. An "
+        "explicit `device` is passed through untouched. The patch refuses to install if the field's "
+        "default factory is no longer `torch.cuda.current_device`.",
+    upstream_fix="A device-neutral default, e.g. `default_factory=lambda: torch.get_default_device()` or "
+                 "accelerator-aware selection via `torch.accelerator.current_accelerator()`.",
     apply=apply,
 )

@@ -38,13 +38,19 @@ PATCH = Patch(
     name="grouped-gemm",
     targets=("sys.modules['grouped_gemm']", "megablocks.grouped_gemm_util._grouped_gemm_is_available",
              "megablocks.grouped_gemm_util.backend", "megablocks.grouped_gemm_util.ops"),
-    why="dMoE with mlp_impl='grouped' asserts that grouped_gemm (a CUDA-only package) is installed.",
-    how="When grouped_gemm is not installed, megablocks_ascend.native.grouped_gemm is registered "
-        "as grouped_gemm (npu_grouped_matmul on NPU, torch._grouped_mm on CUDA and CPU where "
-        "torch supports the call, a loop elsewhere; group sizes on the host or on the device); "
-        "if MegaBlocks was imported first, grouped_gemm_util's availability flag and modules are "
-        "corrected too. An installed grouped_gemm is left alone.",
-    upstream_fix="Let grouped_gemm_util choose a grouped GEMM per device (e.g. torch._grouped_mm).",
+    why="`Arguments(mlp_impl=\"grouped\")` asserts that `grouped_gemm` is importable, and dMoE's grouped "
+        "MLP and GLU call `grouped_gemm.backend.gmm` / `grouped_gemm.ops.gmm`. The package builds CUDA "
+        'kernels only. MegaBlocks 0.10.0 also refuses `mlp_impl="sparse"` with triton >= 3.2 '
+        "(triton-ascend is 3.2.0), so the grouped path is the one dMoE users can run.",
+    how="`megablocks_ascend.native.grouped_gemm` has the package's layout and semantics (`gmm(a, b, "
+        "batch_sizes, trans_a, trans_b, c)` and the autograd `ops.gmm`), backed by "
+        "`torch_npu.npu_grouped_matmul` on NPU, `torch._grouped_mm` on CUDA and CPU where torch supports "
+        "the call, and a per-group `torch.mm` loop elsewhere (`gmm_impl_name` says which). Besides the "
+        "real package's CPU `batch_sizes` it takes them on the operands' device, which the first two use "
+        "without reading them on the host ([grouped-mlp-device-sizes](grouped-mlp-device-sizes.md) relies "
+        "on that). An installed `grouped_gemm` is left alone.",
+    upstream_fix="Let `megablocks.grouped_gemm_util` pick a grouped GEMM per device, e.g. "
+                 "`torch._grouped_mm` where available, instead of requiring the CUDA package.",
     apply=apply,
     needs_megablocks=False,
 )

@@ -119,20 +119,24 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="grouped-mlp-device-sizes",
     targets=tuple(GROUPED_FORWARDS),
-    why="GroupedMLP.forward and GroupedGLU.forward copy tokens_per_expert to the host on every "
-        "step (tokens_per_expert.cpu()), as the grouped_gemm package wants CPU group sizes: a "
-        "device-to-host sync per layer and step, which drains the device's queue and makes the "
-        "step impossible to capture in a CUDA or NPU graph.",
-    how="Where MegaBlocks uses the grouped_gemm stand-in and every grouped GEMM of the step "
-        "takes the sizes on the device (grouped_gemm.takes_device_sizes: torch._grouped_mm's "
-        "fused CUDA kernel or its CPU kernel, npu_grouped_matmul), both forwards pass "
-        "tokens_per_expert on as it is; everywhere else they copy it to the host exactly as "
-        "upstream does. With memory_optimized_mlp they call megablocks_ascend.grouped_mlp's "
-        "memory-optimized MLP/GLU: upstream's forward, and upstream's backward with the grouped "
-        "GEMM's results used as returned instead of copied into reused buffers (the stand-in has "
-        "no out=). The rest of each forward is upstream's code; the patch refuses to install over "
-        "a changed upstream body.",
-    upstream_fix="Pass tokens_per_expert to a grouped GEMM that takes device sizes "
-                 "(torch._grouped_mm) instead of copying it to the host.",
+    why="Both forwards begin with `batch_sizes = tokens_per_expert.cpu().to(torch.long)`: the real "
+        "`grouped_gemm` package wants the per-expert token counts on the host. On a GPU or an NPU that is "
+        "a device-to-host copy in every layer of every step: the host stops until the device has finished "
+        "everything queued before it (router, sort, histogram, the gather), then queues the rest of the "
+        "step, so the device idles while the host launches the expert GEMMs and everything after them. The "
+        "same copy makes a training step impossible to capture in a CUDA graph (`Cannot copy between CPU "
+        "and CUDA tensors during CUDA graph capture`) or an NPU graph. Where the step is short (many small "
+        "experts) that stall is a large share of the step.",
+    how="`torch._grouped_mm` takes its group offsets as a device tensor, and so does "
+        "`torch_npu.npu_grouped_matmul` (its `group_list`); the stand-in accepts `batch_sizes` on the "
+        "operands' device and then computes the offsets on the device, never reading them on the host "
+        '(`megablocks_ascend/native/grouped_gemm/`, "Where the group sizes live"). The replaced forwards '
+        "call `expert_batch_sizes` (`megablocks_ascend/patching/grouped_mlp_device_sizes.py`), which keeps "
+        "`tokens_per_expert` on the device when `grouped_gemm.takes_device_sizes(device, dtype, (hidden, "
+        "ffn per expert), experts)` says that every GEMM of the step (forward and backward) runs an "
+        "implementation that reads device sizes:",
+    upstream_fix="Pass `tokens_per_expert` to a grouped GEMM that takes device sizes (`torch._grouped_mm`, "
+                 "which MegaBlocks could use directly where it is available) instead of copying it to the "
+                 "host.",
     apply=apply,
 )

@@ -58,16 +58,27 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="jit-script-warning",
     targets=(TARGET,),
-    why="MegaBlocks' layers/gelu.py decorates a function with @torch.jit.script, which from torch "
-        "2.10 on warns 'torch.jit.script is deprecated' (FutureWarning) each time MegaBlocks is imported: "
-        "every command prints it (--help included), and with PYTHONWARNINGS=error `import megablocks` "
-        "fails on it.",
-    how="While MegaBlocks and stk import (only then: the patch is taken back once they have), "
-        "torch.jit.script is wrapped: a call from a module of MegaBlocks or stk runs the original with "
-        "that one message ignored inside warnings.catch_warnings(); any other caller goes straight "
-        "through. No filter outlives the call.",
-    upstream_fix="MegaBlocks would replace @torch.jit.script in layers/gelu.py (by torch.compile, or "
-                 "plain eager code: the function is three elementwise lines).",
+    why="MegaBlocks 0.10.0's `megablocks/layers/gelu.py` decorates `_gelu_backward_inplace` with "
+        "`@torch.jit.script`. From torch 2.10 on, `torch.jit.script` warns on every call: `FutureWarning: "
+        "torch.jit.script is deprecated. Please switch to torch.compile or torch.export.` So every program "
+        "that imports MegaBlocks printed it, `python -m megablocks_ascend --help` and "
+        "`examples/train_moe.py --help` included, and with `PYTHONWARNINGS=error` (or `-W error`) `import "
+        "megablocks` (and so `import megablocks_ascend`) failed on it. The user can do nothing about it: "
+        "the call is MegaBlocks'.",
+    how="While MegaBlocks and stk import, `torch.jit.script` is a wrapper that looks at who calls it: a "
+        "call from a module of MegaBlocks or stk runs torch's own `torch.jit.script` inside "
+        "`warnings.catch_warnings()` with a filter that ignores exactly that message (`FutureWarning`, "
+        'starting "`torch.jit.script` is deprecated"); every other caller goes straight through to '
+        "torch's. Nothing else is filtered, and no filter outlives the call. The patch is applied with the "
+        "patches MegaBlocks needs while it imports (`install_before_import`, `needs_megablocks=False`) and "
+        "is one of the registry's `import_only` patches: `install()` takes it back at its end, once every "
+        "other patch has imported what it patches, so after `import megablocks` `torch.jit.script` is "
+        "torch's again (`doctor` lists it as applied while MegaBlocks imported). It refuses to install if "
+        "`torch.jit.script`'s parameters are not `(obj, optimize, _frames_up, _rcb, example_inputs)`, and "
+        "is not applied where torch's function does not warn. The wrapper passes `_frames_up + 1`, so "
+        "torch's resolution of names from the caller's frame sees MegaBlocks' module, as before.",
+    upstream_fix="MegaBlocks replaces `@torch.jit.script` in `layers/gelu.py` (three elementwise lines: "
+                 "plain eager code, or `torch.compile`).",
     apply=apply,
     needs_megablocks=False,
     import_only=True,

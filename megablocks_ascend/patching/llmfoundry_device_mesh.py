@@ -89,15 +89,23 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="llmfoundry-device-mesh",
     targets=(TARGET,),
-    why="LLM Foundry's get_megablocks_device_mesh, which builds the mesh for MegaBlocks' expert "
-        "parallelism (moe_world_size > 1), hard-codes init_device_mesh('cuda', ...): on an NPU, and "
-        "on a CPU with gloo, expert parallelism fails ('module torch._C has no attribute "
-        "_cuda_setDevice' on CPU).",
-    how="Where llmfoundry is installed, the function is replaced, once LLM Foundry has imported its "
-        "module (never by the plugin), by the same code with the mesh on the device type of the "
-        "weights MegaBlocks' layers create (the arguments-device patch's default: npu, else cuda, "
-        "else cpu). Refused if upstream's body changed.",
-    upstream_fix="Take the device type from the caller (or from the model's init device) instead of "
-                 "'cuda'.",
+    why="LLM Foundry builds MegaBlocks' expert parallelism (`ffn_config.moe_world_size > 1` with "
+        "`ffn_type: mb_moe | mb_dmoe`) on a device mesh from `get_megablocks_device_mesh`, which "
+        "hard-codes `init_device_mesh('cuda', ...)`. On an NPU the mesh lands on the wrong device type; on "
+        "a CPU with gloo it fails at once (`module 'torch._C' has no attribute '_cuda_setDevice'`). "
+        "`config_moe_args` calls the function through its module's global name, so replacing it there is "
+        "enough.",
+    how="LLM Foundry is optional and heavy, so the plugin never imports it. At install, where `llmfoundry` "
+        "is installed: if `llmfoundry.models.utils.config_moe_args` is imported already, the function is "
+        "replaced at once; otherwise the plugin waits for that module with the import hook's "
+        "`when_imported` (`_megablocks_ascend_autoload`), and replaces the function once LLM Foundry has "
+        "imported it (a wait armed before an `uninstall()` does nothing). The replacement is LLM Foundry's "
+        "own code with one change: the mesh's device type is that of the weights MegaBlocks' layers create "
+        "by default (the `arguments-device` patch's `default_device()`: `npu`, else `cuda` as upstream, "
+        "else `cpu`). The patch checks the function's parameters and the fingerprint of LLM Foundry "
+        "0.22.0's body, and refuses another (the import of LLM Foundry then fails with the reason and says "
+        "how to turn the plugin off).",
+    upstream_fix="Take the device type from the caller (the model's init device, or the process group's "
+                 "backend) instead of `'cuda'`.",
     apply=apply,
 )

@@ -17,11 +17,18 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="megablocks-ops-extension",
     targets=("sys.modules['megablocks_ops']",),
-    why="megablocks/ops/{sort,histogram,cumsum,replicate,topology}.py import the CUDA extension "
-        "megablocks_ops at import time, so `import megablocks` fails wherever it was not built.",
-    how="When megablocks_ops cannot be found, a device-agnostic PyTorch module with the same "
-        "functions (megablocks_ascend.native.megablocks_ops) is registered under that name.",
-    upstream_fix="Import megablocks_ops lazily and fall back to PyTorch implementations off CUDA.",
+    why="`megablocks/ops/{sort,histogram,cumsum,replicate,topology}.py` run `import megablocks_ops` at "
+        "import time. That extension is built from CUDA sources only when CUDA is present, so on a CPU or "
+        "NPU machine `import megablocks` fails with `ModuleNotFoundError: No module named "
+        "'megablocks_ops'`.",
+    how="`megablocks_ascend.native.megablocks_ops` implements the extension's seven functions in PyTorch, "
+        "with the same signatures, the same output arguments and the same results, on any device: `sort` "
+        "(a stable sort on the low `end_bit` bits, as CUB's radix sort), `histogram` (int32 counts of `[0, "
+        "max_val)`, 1-D or batched), `inclusive_cumsum` / `exclusive_cumsum` (dim 1), `indices` (the "
+        "block-sparse topology), `replicate_forward` / `replicate_backward`. MegaBlocks' own autograd "
+        "wrappers in `megablocks.ops` are unchanged and call it.",
+    upstream_fix="Import the extension lazily, and fall back to PyTorch implementations of these small "
+                 "integer ops where it is not built (they are not on the hot path).",
     apply=apply,
     needs_megablocks=False,
 )

@@ -37,8 +37,9 @@ _MISSING = object()
 
 @dataclasses.dataclass
 class Patch:
-    """One change to another library. ``targets``, ``why``, ``how`` and ``upstream_fix`` say what
-    ``patches/<name>.md`` says at length; ``apply(patch)`` makes the change through
+    """One change to another library. ``targets`` are the page's (``patches/<name>.md``); ``why``,
+    ``how`` and ``upstream_fix`` (Markdown) are the first paragraph of its sections of those names
+    (:mod:`megablocks_ascend.patching.pages`); ``apply(patch)`` makes the change through
     :meth:`replace` and :meth:`set_module`, which record the originals. ``needs_megablocks`` is
     False for the patches that make MegaBlocks importable in the first place (stand-ins for its
     native dependencies, Triton fixes), which apply without it. ``import_only`` patches are in
@@ -118,7 +119,7 @@ class Registry:
         """Apply only the patches that need no MegaBlocks (``needs_megablocks=False``: stand-ins
         for its native dependencies, Triton fixes), which MegaBlocks and stk need while they import;
         :meth:`install` applies the rest. The autoload calls this when it finds MegaBlocks part-way
-        through its import (:mod:`megablocks_ascend.activation`)."""
+        through its import (:mod:`megablocks_ascend.plugin_activation`)."""
         self._apply(tuple(p for p in self.patches if not p.needs_megablocks))
 
     def _apply(self, patches: tuple[Patch, ...]) -> None:

@@ -45,14 +45,22 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="resolve-dtensor",
     targets=RESOLVE_DTENSOR,
-    why="resolve_dtensor parses torch.__version__ with packaging on every expert-MLP forward; "
-        "dynamo cannot trace packaging's Version on torch 2.7 or 2.11, so torch.compile of an "
-        "unchanged MoE or dMoE fails there, whatever backend serves the routing.",
-    how="Both names (glu imports it from mlp) are replaced by one function that does what "
-        "upstream does on every torch >= 2.0 (the only ones MegaBlocks 0.10.0 runs on): unwrap a "
-        "DTensor to its local tensor, return anything else unchanged. DTensor is looked up once, "
-        "at install.",
-    upstream_fix="Decide the version check once at import (or drop it: MegaBlocks needs "
-                 "torch >= 2.0 anyway).",
+    why="Every expert MLP and GLU forward (`MLP`, `GroupedMLP`, `GroupedGLU`, the sparse and "
+        "memory-optimized variants) calls `resolve_dtensor` on its weights, and it starts with "
+        "`packaging.version.parse(torch.__version__) >= packaging.version.parse('2.0.0')`. Dynamo cannot "
+        "trace that on torch 2.7.1 (`Unsupported method call: Dynamo does not know how to trace method "
+        "issuperset of class frozenset`, from `packaging/version.py`, CPU) or torch 2.11 "
+        "(`InternalTorchDynamoError ... UserDefinedExceptionObjectVariable`, on the H200), so "
+        "`torch.compile(fullgraph=True)` of an unchanged `MoE` or `dMoE` fails on those versions with any "
+        "routing backend, `cuda` included. torch 2.13 traces it.",
+    how="Both names are replaced by one function that does what upstream's does on every torch >= 2.0 "
+        "(MegaBlocks 0.10.0 needs torch 2.7 anyway): a `DTensor` is unwrapped with `to_local()`, anything "
+        "else is returned unchanged. `DTensor` is imported once, at install, from the module upstream "
+        "imports it from (`torch.distributed._tensor`); in a torch built without `torch.distributed` no "
+        "DTensor can exist and every weight is returned unchanged. The patch refuses to install if "
+        "upstream's function no longer takes exactly `weight`, or if glu's name is no longer mlp's "
+        "function.",
+    upstream_fix="Decide the version check once at import (or drop it: MegaBlocks requires a torch far "
+                 "past 2.0).",
     apply=apply,
 )

@@ -32,9 +32,16 @@ PATCH = Patch(
     name="routing-ops",
     targets=tuple(f"megablocks.ops.{n}" for n in (
         "binned_gather", "binned_scatter", "gather", "scatter", "padded_gather", "padded_scatter")),
-    why="Upstream's autograd wrappers use stk's autocast decorators, which assume CUDA.",
-    how="Each op is replaced by an autograd Function with upstream's forward and backward that "
-        "calls the dispatched kernels and handles autocast for the tensors' own device.",
-    upstream_fix="Device-aware autocast decorators in megablocks.ops.",
+    why="Upstream's autograd wrappers are decorated with stk's `custom_fwd`/`custom_bwd`, which only know "
+        'CUDA autocast (`device_type="cuda"`, `x.is_cuda`).',
+    how="Each op is replaced by `megablocks_ascend.ops.<op>`: an autograd Function with upstream's forward "
+        "and backward (the same kernels in the same order, the same saved tensors) that calls the "
+        "dispatched kernels (as `torch.library` custom ops while `torch.compile` traces, so the layers "
+        "compile without graph breaks) and handles autocast for its inputs' own device. MegaBlocks' layers "
+        "look these up at call time (`import megablocks.ops as ops`), so the replacement reaches every "
+        "layer. The patch refuses to install if an upstream op's parameters differ from the ones it was "
+        "written against.",
+    upstream_fix="Device-aware autocast decorators in `megablocks.ops` (or `torch.amp.custom_fwd` with the "
+                 "device type of the inputs).",
     apply=apply,
 )

@@ -76,18 +76,20 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="routing-preparation",
     targets=tuple(PREPARATION_METHODS),
-    why="Before its routing calls every MoE / dMoE step sorts the router's expert ids with a radix "
-        "sort (ops.sort), histograms them (ops.histogram) and takes cumsums (ops.inclusive_cumsum; "
-        "the sparse dMoE also ops.round_up and a second cumsum): a dozen or more small launches, "
-        "each host time on an NPU, and our token-major routing kernels then invert the sort in a "
-        "launch of their own.",
-    how="ParallelMLP.indices_and_bins and ParallelDroplessMLP.indices_and_padded_bins call "
-        "megablocks_ascend.ops.prepare_routing, dispatched by MEGABLOCKS_BACKEND: a two-launch "
-        "stable counting sort (ascend) that also writes the route map of the layer's routing calls "
-        "(kept on indices), the PyTorch reference (torch), or upstream's own sort / histogram / "
-        "cumsum sequence (cuda). Same results as upstream's; the patch refuses to install over a "
-        "changed upstream body.",
-    upstream_fix="A fused routing-preparation op in megablocks.ops (one counting sort of the expert "
-                 "ids giving indices, bin_ids, bins and padded bins) that backends can register.",
+    why="Before its routing calls, every MegaBlocks step turns the router's expert ids into the routing "
+        "tensors: `ops.sort` (a radix sort: `bin_ids`, `indices`), `ops.histogram` (`tokens_per_expert`), "
+        "`ops.inclusive_cumsum` (`bins`), and for the sparse dMoE `ops.round_up` and a second cumsum "
+        "(`padded_bins`, which also feeds its block-sparse topology), plus an int32 cast of the ids. On an "
+        "H200 that was a dozen or more kernels per step (the radix sort alone is several CUB kernels; with "
+        "MegaBlocks' extension not built, the `megablocks_ops` stand-in's `torch.sort` and scatter-add); "
+        "on an NPU each is a launch through torch_npu with its own host time. Our token-major routing "
+        "kernels then inverted the sort in a launch of their own (the route map). A fine-grained MoE step "
+        "is host-bound, so each launch counts.",
+    how="Both methods are replaced by versions that call `megablocks_ascend.ops.prepare_routing` (a "
+        "`torch.library` custom op while `torch.compile` traces), dispatched like the routing kernels by "
+        "`MEGABLOCKS_BACKEND` and recorded by `trace()` as `prepare_routing`:",
+    upstream_fix="A fused routing-preparation op in `megablocks.ops` (one counting sort of the expert ids "
+                 "giving `indices`, `bin_ids`, `bins`, `tokens_per_expert` and the padded bins) that a "
+                 "backend can provide, called by both methods.",
     apply=apply,
 )

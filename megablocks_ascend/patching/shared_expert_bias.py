@@ -40,15 +40,20 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="shared-expert-bias",
     targets=(TARGET,),
-    why="With shared_expert=True and the default return_bias=True (and bias=True), MoE.forward passes "
-        "the routed experts' (output, bias) tuple to SharedMLP.add_experts_sharedexpert, which adds "
-        "the shared expert's output to it: TypeError on every forward of MoE and dMoE (with "
-        "shared_expert_weighted_sum too).",
-    how="add_experts_sharedexpert is wrapped: a tuple (output, bias) is combined as upstream combines "
-        "a tensor, and returned as (combined, bias) with the bias scaled by k / (k + 1) under the "
-        "weighted sum, so that output + bias equals what return_bias=False returns; a tensor goes "
-        "to upstream's function unchanged. Refused if upstream's body changed.",
-    upstream_fix="In MoE.forward, unpack (output, bias) before adding the shared expert (and scale "
-                 "the bias with the weighted sum), or let add_experts_sharedexpert take the tuple.",
+    why="MegaBlocks' shared expert crashes on its own defaults. `Arguments.return_bias` defaults to `True` "
+        "and `bias` to `True`, so the routed experts (`ParallelMLP.forward`, for `MoE` and `dMoE`) return "
+        "`(output, bias)` and leave the bias for the caller to add. With `shared_expert=True`, "
+        "`MoE.forward` hands that tuple to `add_experts_sharedexpert`, which adds the shared expert's "
+        "output to it:",
+    how="`add_experts_sharedexpert` is wrapped. A tensor (`return_bias=False`, or no bias) goes to "
+        "upstream's function unchanged. A tuple `(output, bias)` is unpacked; the outputs are combined by "
+        "upstream's function, and the pair `(combined, bias')` is returned, so that `MoE` keeps its "
+        "`return_bias=True` contract: the caller adds `bias'` and gets exactly what `return_bias=False` "
+        "returns. Without the weighted sum `bias' = bias` (`shared + out + bias`); with it, upstream's "
+        "`shared / (k + 1) + (out + bias) * k / (k + 1)` (k = `moe_top_k`) needs `bias' = bias * k / (k + "
+        "1)`. The patch checks the function's parameters and the fingerprint of MegaBlocks 0.10.0's body, "
+        "and refuses to install over a changed one.",
+    upstream_fix="In `MoE.forward`, unpack `(output, bias)` before adding the shared expert (scaling the "
+                 "bias under the weighted sum), or let `add_experts_sharedexpert` take the tuple, as here.",
     apply=apply,
 )

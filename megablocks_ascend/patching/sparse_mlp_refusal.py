@@ -94,11 +94,16 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="sparse-mlp-refusal",
     targets=("megablocks.layers.arguments:Arguments.__post_init__",),
-    why="Arguments refuses mlp_impl='sparse' (the default) with triton >= 3.2, because stk's kernels "
-        "overflow there; with the stk-kernels patch the sparse path no longer runs them.",
-    how="__post_init__ is wrapped: for mlp_impl='sparse' it runs the original's other checks without the "
-        "refusal when stk's matmuls on the layer's device are served by our kernels or the torch "
-        "reference, and keeps the refusal (saying why and what to set) when they would go to stk's own.",
-    upstream_fix="Release stk's overflow fix (stk PR #17) and drop the Triton version check.",
+    why="MegaBlocks 0.10.0 refuses `mlp_impl=\"sparse\"`, which is also `Arguments`' default, whenever "
+        '`triton.__version__ >= "3.2.0"` (MegaBlocks PR #168): `ValueError: Sparse MLP is not supported '
+        "with triton >=3.2.0`. That covers triton-ascend 3.2.0 and every current Triton, so `Arguments()` "
+        "itself raises. The reason is real: stk's kernels overflow int16 arithmetic at real sizes (see "
+        "[stk-kernels](stk-kernels.md)). With the stk-kernels patch, stk's matmuls no longer have to run "
+        "those kernels.",
+    how='`Arguments.__post_init__` is wrapped. For any `mlp_impl` other than `"sparse"` it runs the '
+        "original unchanged. For `\"sparse\"` it resolves the backend that would serve stk's matmuls on "
+        "the layer's device (`Arguments.device`, from `MEGABLOCKS_BACKEND` / `use_backend()`):",
+    upstream_fix="Release stk's overflow fix (stk PR #17) and remove the Triton version check from "
+                 "`Arguments.__post_init__` (MegaBlocks issue #178 asks for it).",
     apply=apply,
 )

@@ -136,19 +136,41 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="sparse-static-sizes",
     targets=tuple(METHODS),
-    why="The sparse dMoE reads padded_bins[-1] on the host to size its padded buffer (ops.padded_gather, "
-        "in the forward and again in the backward), so the host waits for the router every step and the "
-        "step cannot be captured in a CUDA or NPU graph; its topology is a dozen launches (ops.topology, "
-        "stk.ops.row_indices, and a sort, gather, histogram, cumsum and concatenation for the transpose).",
-    how="sparse_forward_once and sparse_permute_and_compute pass padded_gather a row count the host knows "
-        "(ops.padded_rows: tokens x top_k plus at most block - 1 rows of padding per expert), whose rows past "
-        "padded_bins[-1] are zero; topology builds stk's six index tensors for that many block rows in one "
-        "launch (ops.topology), the block rows past padded_bins[-1] spare (no blocks: the block-sparse "
-        "kernels skip them). MEGABLOCKS_ASCEND_SPARSE_SIZES=exact, and MEGABLOCKS_BACKEND=cuda, keep "
-        "upstream's sizes. The rest of each method is upstream's code; the patch refuses to install over a "
-        "changed upstream body.",
-    upstream_fix="Size the padded buffer with a static bound and keep the real extent on the device "
-                 "(padded_gather and stk's kernels reading it), and build the topology with its transpose "
-                 "in one kernel.",
+    why="The sparse dMoE routes each expert's tokens into a buffer whose segments are rounded up to the "
+        "block size (128), `padded_bins[-1]` rows in all, and describes the expert MLP's activation as an "
+        "stk block-sparse matrix of that many rows. Upstream sizes both by reading `padded_bins[-1]` on "
+        "the host: `ops.padded_gather` does `padded_bins[-1].cpu().item()` in the forward and again in the "
+        "backward (inside `padded_scatter`'s backward). Each read is a device-to-host sync: the host waits "
+        "for the router every step, so the step runs at the host's pace, and a graph capture of the step "
+        "fails (on an H200, `cudaErrorStreamCaptureInvalidated`, after which the process's CUDA RNG is "
+        "left in capture state). The topology itself is a dozen launches: `ops.topology`, "
+        "`stk.ops.row_indices`, and for the transpose a radix sort of the column indices, a gather, a "
+        "histogram, a cumsum, a concatenation and an `arange`.",
+    how="- `sparse_forward_once` and `sparse_permute_and_compute` are upstream's code with one change: "
+        "`ops.padded_gather` gets a row count the host knows, `megablocks_ascend.ops.padded_rows(tokens x "
+        "top_k, experts, 128)`: every expert that receives tokens adds at most 127 rows of padding, so "
+        "`128 * floor((n + min(E, n) * 127) / 128)` rows hold any routing. The rows past `padded_bins[-1]` "
+        "are zero (the gather writes them, no host read), and the gradient of the buffer has its rows "
+        "(`padded_scatter`'s backward sizes it from its input, not from `padded_bins`).\n"
+        "- `topology` is upstream's checks and `stk.Matrix`, with the six index tensors from "
+        "`megablocks_ascend.ops.topology` (one launch on `ascend`: "
+        "`megablocks_ascend/kernels/topology.py`) for as many block rows as the buffer has. The first "
+        "`padded_bins[-1] / 128` block rows are the experts' (exactly upstream's topology); the others are "
+        "spare: `offsets` gives them no blocks, so `offsets[-1]` is the number of live blocks, and the "
+        "transposed metadata lists only the live ones. The block-sparse kernels "
+        "(`megablocks_ascend/kernels/blocksparse.py`, and the `torch` backend's) take the live blocks from "
+        "`offsets`: `sdd` writes the spare blocks as zeros without computing them, `dsd` and `dds` never "
+        "visit them. stk's own matrices have no spare blocks, so nothing changes for them.\n"
+        "- Memory: the buffer, the expert MLP's dense results and its block-sparse activations are at most "
+        "`min(E, n) x 127` rows larger than upstream's (they were `padded_bins[-1]` rows); the work done "
+        "on them is upstream's (no products for the spare rows; their zeros are written).\n"
+        "- `MEGABLOCKS_ASCEND_SPARSE_SIZES=exact` keeps upstream's sizes (the sync, and no spare rows) for "
+        "whoever needs the last bytes; a graph capture then stops with `megablocks_ascend.CaptureError` "
+        "naming the call and the switch, raised before the read, so the capture is not left broken. "
+        "`MEGABLOCKS_BACKEND=cuda` (upstream's kernels, which take no static size) always runs upstream's "
+        "sizes and upstream's topology sequence (`backends.upstream_topology`).",
+    upstream_fix="Size the padded buffer with the static bound and keep the real extent on the device: "
+                 "`padded_gather` taking a row count, stk's kernels skipping the blocks past "
+                 "`offsets[-1]`, and the topology with its transpose built in one kernel.",
     apply=apply,
 )

@@ -18,14 +18,23 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="stk-kernels",
     targets=tuple(f"stk.backend.triton_kernels.{n}" for n in ("sdd", "dsd", "dds", "row_indices")),
-    why="stk's block-sparse matmuls, which the sparse dMoE runs, are written for NVIDIA GPUs, and with "
-        "Triton >= 3.2 its sdd computes wrong results (or reads out of bounds) once the sparse matrix has "
-        "more than 32768 rows or columns: arithmetic on its int16 block indices stays int16.",
-    how="Each function is replaced by an entry point that validates its inputs and hands them to the "
-        "backend MEGABLOCKS_BACKEND selects: our Triton kernels (ascend), stk's own function (cuda, "
-        "refused with BackendUnavailable where it overflows), or plain PyTorch (torch); a "
-        "torch.library custom op while torch.compile traces.",
-    upstream_fix="stk PR #17 (int32/int64 block offsets) released, and a kernel registry in "
-                 "stk.backend that plugins can register with.",
+    why="MegaBlocks' sparse dMoE (`mlp_impl=\"sparse\"`) runs its expert MLPs as stk block-sparse matmuls. "
+        "stk's `stk.ops.*` autograd functions (`stk/backend/sputnik.py`) reach its Triton kernels through "
+        "the module (`backend.sdd(...)`), and MegaBlocks' memory-optimized MLP calls "
+        "`stk.backend.triton_kernels.sdd`/`dsd` directly, so these four functions are every way in.",
+    how="Each function is replaced by an entry point (`megablocks_ascend.library.STK_ENTRY_POINTS`) with "
+        "stk's parameters. It runs the dispatcher `megablocks_ascend.backends.STK_KERNELS[name]`, or, "
+        "while `torch.compile` traces, the custom op `torch.ops.megablocks_ascend.stk_<name>` (declared as "
+        "mutating `out`) that runs the same dispatcher. The dispatcher validates the call "
+        "(`megablocks_ascend.validation.check_blocksparse`: shapes, dtypes, devices, strides, the BCSR "
+        "metadata's sizes; with `MEGABLOCKS_ASCEND_CHECKS=1` also its values), resolves the backend for "
+        "the tensors' device, records the call for `trace()` (ops `sdd`, `dsd`, `dds`, `row_indices`), and "
+        "writes `out` with our Triton kernels (`ascend`, `megablocks_ascend.kernels.blocksparse`), stk's "
+        "original function (`cuda`, kept in `backends.UPSTREAM_STK`), or plain PyTorch (`torch`, "
+        "`megablocks_ascend.reference.blocksparse`). `auto` picks by device as for the routing ops: NPU "
+        "`ascend`, CUDA `cuda`, CPU `torch`. The patch refuses to install if one of stk's functions has "
+        "other parameters than the ones it was written against.",
+    upstream_fix="Release stk PR #17 (block offsets computed in int32/int64), and give `stk.backend` a "
+                 "kernel registry plugins can register with.",
     apply=apply,
 )

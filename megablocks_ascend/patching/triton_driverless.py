@@ -50,16 +50,26 @@ def apply(p: Patch) -> None:
 PATCH = Patch(
     name="triton-driverless",
     targets=("triton.runtime.autotuner:Autotuner.__init__",),
-    why="Triton 3.3.1 and triton-ascend 3.2.0 ask the driver for a benchmarker when "
-        "triton.autotune decorates a kernel, so on a machine where Triton has no driver (CPU "
-        "only; triton-ascend without an NPU) importing stk, hence MegaBlocks, raises "
-        "'0 active drivers'.",
-    how="Only where Triton has no active driver and its Autotuner asks for the benchmarker at "
-        "construction: Autotuner.__init__ is wrapped to pass a RefusingBenchmarker as do_bench. "
-        "An autotuner with one config never calls it and runs; one asked to time several "
-        "configs raises NoTritonDriver before any of them runs. Nothing pretends a device exists.",
-    upstream_fix="Ask the driver for the benchmarker when benchmarking, as Triton 3.9 does "
-                 "(triton-ascend: rebase on such a Triton).",
+    why="`@triton.autotune` builds an `Autotuner` when the module that decorates a kernel is imported. In "
+        "Triton 3.3.1 and triton-ascend 3.2.0 its `__init__` calls "
+        "`triton.runtime.driver.active.get_benchmarker()`, and Triton's driver lookup raises "
+        "`RuntimeError: 0 active drivers` where no backend's driver is active: a CPU-only machine (the "
+        "Triton interpreter is not a driver), or triton-ascend on a build box, login node or CI runner "
+        "without an NPU and CANN. stk decorates its kernels at import, and MegaBlocks imports stk, so "
+        "`import megablocks` fails there, and with it `import megablocks_ascend` (whose patches import "
+        "MegaBlocks), `python -m megablocks_ascend doctor`, `lower` and the `torch` backend. Triton 3.9 "
+        "asks for the benchmarker only when it benchmarks, so it imports fine.",
+    how="At install, `megablocks_ascend.compat.active_drivers()` asks every Triton backend's driver "
+        "whether it is active (the same question Triton's own lookup asks, with triton-ascend's warning "
+        "about a missing CANN compiler silenced), and `compat.autotuner_needs_driver()` whether "
+        "`Autotuner.do_bench` is resolved at construction (it is not a `property`/`cached_property`). Only "
+        "when there is no driver and it is: `Autotuner.__init__` is wrapped so that an autotuner "
+        "constructed without a `do_bench` of its own gets a `compat.RefusingBenchmarker` as its "
+        "`do_bench`. The patch refuses to install if `__init__` has no `fn`, `configs` or `do_bench` "
+        "parameter.",
+    upstream_fix="Resolve the benchmarker when benchmarking, not at construction, as Triton 3.9 does "
+                 "(`Autotuner.do_bench` is a `cached_property` there); for triton-ascend, a release based "
+                 "on such a Triton.",
     apply=apply,
     needs_megablocks=False,
 )

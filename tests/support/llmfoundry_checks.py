@@ -1,7 +1,7 @@
 """Checks of LLM Foundry's MPT through the plugin, run by tests/test_llmfoundry.py in fresh processes.
 
-    python tests/llmfoundry_checks.py backends FFN_TYPE      # ascend against torch, a few steps
-    python tests/llmfoundry_checks.py expert-parallel         # 2 gloo ranks against one process
+    python tests/support/llmfoundry_checks.py backends FFN_TYPE      # ascend against torch, a few steps
+    python tests/support/llmfoundry_checks.py expert-parallel         # 2 gloo ranks against one process
 
 Each prints one line ``RESULT <json>``. The model is built by examples/train_llmfoundry_mpt.py's
 ``build_model`` (LLM Foundry's ``ComposerMPTCausalLM``), imported the way the example runs:
@@ -18,7 +18,7 @@ import pathlib
 import socket
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("train_llmfoundry_mpt", ROOT / "examples" / "train_llmfoundry_mpt.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)  # sets TRITON_INTERPRET on a CPU machine, imports llmfoundry

@@ -1,7 +1,8 @@
 """An independent float64 reference for MegaBlocks' nine routing kernels, and routing generators.
 
 Not a test module: tests import it. Everything here is written as plain Python loops over
-experts and sorted positions, straight from the definitions in ``shared/SEED.md``, and does
+experts and sorted positions, straight from the definitions below (the semantics of MegaBlocks
+0.10.0's ``megablocks/backend/kernels.py``), and does
 not use ``megablocks_ascend`` (whose own ``reference`` backend is one of the things tested
 against this file):
 

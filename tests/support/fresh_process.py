@@ -15,7 +15,7 @@ import sys
 import textwrap
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENTRY_POINT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch.backends"]
 
 # Variables a scenario starts without unless it sets them: the plugin's and torch's switches and
