@@ -68,22 +68,24 @@ def _index_ptrs(name):
             "_dsd": {"offsets", "indices", "block_offsets"},
             "_dds": {"offsets", "indices", "block_offsets"},
             "_row_indices": {"offsets"},
-            "_gather": {"indices", "bins", "padded_bins"},
+            "_gather": {"indices", "row_pos"},
             "_gather_tokens": {"slot_to_row", "bins", "padded_bins"},
             "_route_map": {"indices", "bins", "padded_bins", "slot_to_row"},
+            "_row_map": {"bins", "padded_bins", "row_pos"},
             "_scatter": {"slot_to_row"},
             "_scatter_one": {"indices", "bins", "padded_bins"},
             "_wgrad": {"slot_to_row"},
             "_wgrad_one": {"indices", "bins", "padded_bins"},
             "_count": {"counts"},
             "_place": {"counts", "indices", "bin_ids", "tokens_per_expert", "bins", "padded_bins",
-                       "slot_to_row"},
+                       "slot_to_row", "row_pos"},
             "_zero_empty_groups": {"ends"}}[name]
 
 
 def test_table_axes_cover_every_value():
     by_name = {s.name: s for s in table.KERNELS}
-    assert set(by_name["_gather"].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
+    assert set(by_name["_gather"].axes["MAPPED"]) == {False, True}  # dropless; padded and binned
+    assert set(by_name["_row_map"].axes["LAYOUT"]) == {routing.PADDED, routing.BINNED}
     for name in ("_route_map", "_scatter_one", "_wgrad_one", "_gather_tokens"):
         assert set(by_name[name].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
     for spec in table.KERNELS:
@@ -100,7 +102,7 @@ def test_table_axes_cover_every_value():
 
 
 def test_configs_are_the_full_product():
-    cfgs = configs()
+    cfgs = configs(experts=table.EXPERTS)
     for spec in table.KERNELS:
         n = 1
         for values in spec.axes.values():
@@ -108,6 +110,25 @@ def test_configs_are_the_full_product():
         mine = [c for c in cfgs if c.kernel == spec.name]
         assert len(mine) == n
         assert len({c.label for c in mine}) == n
+
+
+def test_the_table_adds_configurations_at_many_experts():
+    """The table is the full product at EXPERTS and, for the routing kernels an NPU runs, a few
+    configurations at 64 and 256 experts (and at top_k 8) whose census tests/test_census.py compares
+    with EXPERTS': each has its counterpart at EXPERTS, with the same axes."""
+    table_cfgs = configs()
+    base = {(c.kernel, c.label) for c in configs(experts=table.EXPERTS)}
+    extra = [c for c in table_cfgs if (c.kernel, c.label) not in base]
+    assert len({(c.kernel, c.label) for c in table_cfgs}) == len(table_cfgs)
+    many = {s.name for s in table.KERNELS if s.many}
+    assert many == {"_gather", "_route_map", "_row_map", "_scatter", "_wgrad", "_count", "_place"}
+    assert {c.kernel for c in extra} == many
+    assert {c.experts for c in extra} == {table.EXPERTS, *table.MANY_EXPERTS}
+    at_base = {(c.kernel, tuple(sorted(c.axes.items()))) for c in table_cfgs if c.experts == table.EXPERTS}
+    for c in extra:
+        assert c.experts == table.EXPERTS or (c.kernel, tuple(sorted(c.axes.items()))) in at_base, c.label
+        assert c.experts == table.EXPERTS or f"E={c.experts}" in c.label
+    assert any(c.axes.get("TOP_K") == 8 for c in extra if c.kernel == "_scatter")
 
 
 class _Recorder:
@@ -184,8 +205,8 @@ def test_table_covers_every_launch(monkeypatch, int64):
             names = _constexpr_names(spec)
             assert names <= set(kwargs), f"{kernel}: launcher passes {sorted(kwargs)}"
             launched = {k: kwargs[k] for k in names}
-            if kernel == "_route_map" and launched["BLOCK_M"] == 64:
-                # route_map's default for CPU tensors (a launcher called it without block_m here);
+            if kernel in ("_route_map", "_row_map") and launched["BLOCK_M"] == 64:
+                # route_map's and row_map's default for CPU tensors (a launcher called them without block_m);
                 # on a device it is ROUTE_MAP_BLOCK_M
                 launched["BLOCK_M"] = table.ROUTE_MAP_BLOCK_M
             if "BLOCK_E" in launched:

@@ -54,10 +54,11 @@ import triton.language as tl
 from megablocks_ascend import devices
 from megablocks_ascend.compat import kernel
 from megablocks_ascend.kernels import routing
+from megablocks_ascend.kernels.routing import _ROWS, _walk_block, _walk_table
 from megablocks_ascend.kernels.scan import cumsum
 
 NO_ROUTE = -1  # ROUTE: no route map; else the layout of the one to write (routing.DROPLESS, ...)
-_DROPLESS, _PADDED = tl.constexpr(routing.DROPLESS), tl.constexpr(routing.PADDED)
+_DROPLESS, _PADDED, _BINNED = tl.constexpr(routing.DROPLESS), tl.constexpr(routing.PADDED), tl.constexpr(routing.BINNED)
 # PLACE: what _place writes besides the counts: nothing (the histogram), the routing preparation
 # (bin_ids are expert ids, written in position order), or a sort (bin_ids are the sorted values).
 HISTOGRAM, ROUTING, SORT = 0, 1, 2
@@ -163,30 +164,52 @@ def _chunk(pid, chunk, num_items):
 def _count(
     keys, counts,
     num_items, num_keys, key_mask, chunk, table_rows,
-    NPU_FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    NPU_FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
     e = tl.arange(0, BLOCK_E)
-    e_f = e.to(tl.float32)
     begin, end = _chunk(pid, chunk, num_items)
-    acc = tl.zeros((BLOCK_E,), tl.int32)
     bad = tl.zeros((BLOCK_M,), tl.int32)
-    for m0 in range(begin, end, BLOCK_M):
-        items = m0 + m
-        inside = items < end
-        _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
-        acc += _tally(_hit(key, valid, e_f, NPU_FORM), NPU_FORM)
-        bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
+    if NPU_FORM:
+        # The keys in chunks of CHUNK: a [BLOCK_M, CHUNK] one-hot per chunk, its tally added to row c
+        # of a [BLOCK_E / CHUNK, CHUNK] table. The block of items is the same at every key count, so
+        # its per-block costs (the keys' load and its handshakes) do not grow per item with the
+        # experts (a [BLOCK_M, BLOCK_E] one-hot of 4096 elements took 16 items a block at 256
+        # experts: docs/notes/many-experts.md). The table's chunk numbers are a whole tile (no
+        # compare broadcast along an axis: see _below).
+        cc = tl.arange(0, CHUNK)
+        rows_f = (tl.arange(0, BLOCK_E // CHUNK)[:, None] + cc[None, :] * 0).to(tl.float32)
+        table = tl.zeros((BLOCK_E // CHUNK, CHUNK), tl.float32)
+        for m0 in range(begin, end, BLOCK_M):
+            items = m0 + m
+            inside = items < end
+            _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
+            k = tl.where(valid, key, -1).to(tl.float32)
+            for c in range(0, BLOCK_E // CHUNK):
+                keys_c = (c * CHUNK + cc).to(tl.float32)
+                tally = tl.sum(tl.where(k[:, None] == keys_c[None, :], 1.0, 0.0), axis=0)
+                table += tl.where(rows_f == c, tally[None, :], 0.0)
+            bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
+        acc = tl.reshape(table, (BLOCK_E,)).to(tl.int32)
+    else:
+        e_f = e.to(tl.float32)
+        acc = tl.zeros((BLOCK_E,), tl.int32)
+        for m0 in range(begin, end, BLOCK_M):
+            items = m0 + m
+            inside = items < end
+            _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
+            acc += _tally(_hit(key, valid, e_f, NPU_FORM), NPU_FORM)
+            bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
     tl.store(counts + pid * BLOCK_E + e, acc)
     tl.store(counts + table_rows * BLOCK_E + pid, tl.sum(bad, axis=0))
 
 
 @kernel
 def _place(
-    keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row,
-    num_items, num_keys, key_mask, chunk, table_rows, block, capacity,
+    keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row, row_pos,
+    num_items, num_keys, key_mask, chunk, table_rows, block, capacity, map_rows,
     PLACE: tl.constexpr, PADDED: tl.constexpr, ROUTE: tl.constexpr, NPU_FORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -260,6 +283,23 @@ def _place(
                 tl.store(slot_to_row + items, tl.where(valid & ok, row, -1), mask=inside)
             cursor += _tally(hit, NPU_FORM)
             bad_cursor += tl.sum(bad, axis=0)
+        if NPU_FORM and (ROUTE == _PADDED or ROUTE == _BINNED):
+            # The row map of the layout (routing._row_map's, for the buffer-row-major gather): every
+            # row of the map, walked in blocks of one expert's consecutive rows, each program its
+            # share of the blocks, from the totals every program holds (bins is written by program
+            # 0 in this launch: not read back). Every store lands on consecutive rows.
+            if ROUTE == _PADDED:
+                rstart = padded_ends - padded
+                rseg = padded
+            else:
+                rstart = e * capacity
+                rseg = tl.zeros((BLOCK_E,), tl.int32) + capacity
+            we, first, nblk, blocks, wstart, wend, wdelta, wkend = _walk_table(
+                e, e < num_keys, starts, total, rstart, rseg, num_keys, map_rows, _ROWS, BLOCK_M, BLOCK_E)
+            for blk in range(pid, blocks, npg):
+                rows, in_rows, d, k_end = _walk_block(blk, m, map_rows, we, first, nblk, wstart, wend, wdelta, wkend,
+                                                      _BINNED, _ROWS, BLOCK_M)
+                tl.store(row_pos + rows, tl.where(rows < k_end, rows + d, -1), mask=in_rows & (rows < map_rows))
         if PLACE == _ROUTING and NPU_FORM:
             # bin_ids written in position order, this program's share of the positions: the key
             # whose segment holds position p, i.e. how many segments end at or before p (num_keys
@@ -294,9 +334,11 @@ def _grid(device, n: int, block_m: int, num_programs):
 
 def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=None, block=0, route=NO_ROUTE,
             capacity=0, tile=None, num_programs=None, npu_form=None):
-    """Both launches over the flat ``keys``; returns ``(tokens_per_expert, bins, padded_bins, slot_to_row)``
-    and, unless ``place`` is ``HISTOGRAM``, fills ``indices`` and ``bin_ids`` (``ROUTING``: each
-    position's expert; ``SORT``: each position's value)."""
+    """Both launches over the flat ``keys``; returns ``(tokens_per_expert, bins, padded_bins,
+    slot_to_row, row_pos)`` and, unless ``place`` is ``HISTOGRAM``, fills ``indices`` and ``bin_ids``
+    (``ROUTING``: each position's expert; ``SORT``: each position's value). ``row_pos`` (the padded or
+    binned route's row map, :func:`routing.row_map`) is written in the NPU form only, where the
+    buffer-row-major gather reads it; None elsewhere."""
     n = keys.shape[0]
     device = keys.device
     target = devices.target(device)
@@ -304,32 +346,42 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
     if npu_form is None:
         npu_form = devices.PREP_NPU_FORM[target]
     block_e = devices.block_e(num_keys)
+    count_block, key_chunk = devices.prep_count_tile(t, block_e)
     tokens_per_expert = torch.empty(num_keys, dtype=torch.int32, device=device)
     bins = torch.empty(num_keys, dtype=torch.int32, device=device)
     padded_bins = torch.empty(num_keys, dtype=torch.int32, device=device) if block else None
     slot_to_row = torch.empty(n, dtype=torch.int32, device=device) if route != NO_ROUTE else None
+    map_rows = 0
+    if npu_form and place != HISTOGRAM and route in (routing.PADDED, routing.BINNED):
+        map_rows = routing.padded_rows_bound(n, num_keys, block) if route == routing.PADDED else num_keys * capacity
+    row_pos = torch.empty(map_rows, dtype=torch.int32, device=device) if map_rows else None
     if n == 0:
         for out in (tokens_per_expert, bins, padded_bins):
             if out is not None:
                 out.zero_()
-        return tokens_per_expert, bins, padded_bins, slot_to_row
-    programs, chunk = _grid(device, n, t.block_m, num_programs)
+        if row_pos is not None:
+            row_pos.fill_(-1)
+        return tokens_per_expert, bins, padded_bins, slot_to_row, row_pos
+    # Both launches cut the items into the same chunks, whole blocks of both kernels.
+    programs, chunk = _grid(device, n, max(t.block_m, count_block), num_programs)
     # One histogram row per program, then one count of invalid keys per program; rows up to a
     # multiple of BLOCK_P (read in whole tiles by _place, never written: multiplied by 0 there).
     block_p = devices.prep_block_p(programs, block_e)
     table_rows = _cdiv(programs, block_p) * block_p
     counts = torch.empty(table_rows * (block_e + 1), dtype=torch.int32, device=device)
     _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, table_rows, NPU_FORM=npu_form,
-                  BLOCK_M=t.block_m, BLOCK_E=block_e, num_warps=t.num_warps)
+                  BLOCK_M=count_block if npu_form else t.block_m, BLOCK_E=block_e, CHUNK=key_chunk,
+                  num_warps=t.num_warps)
     placed = place != HISTOGRAM
     _place.launch(
         (programs,), keys, counts, indices if placed else counts, bin_ids if placed else counts, tokens_per_expert, bins,
         padded_bins if block else bins, slot_to_row if slot_to_row is not None else counts,
-        n, num_keys, key_mask, chunk, table_rows, max(block, 1), capacity,
+        row_pos if row_pos is not None else counts,
+        n, num_keys, key_mask, chunk, table_rows, max(block, 1), capacity, map_rows,
         PLACE=place, PADDED=bool(block), ROUTE=route, NPU_FORM=npu_form,
         BLOCK_M=t.block_m, BLOCK_E=block_e, BLOCK_P=block_p, num_warps=t.num_warps,
     )
-    return tokens_per_expert, bins, padded_bins, slot_to_row
+    return tokens_per_expert, bins, padded_bins, slot_to_row, row_pos
 
 
 def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=0, *, tile=None,
@@ -341,19 +393,23 @@ def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=
     ``route`` (a layout of :mod:`~megablocks_ascend.kernels.routing`, with ``capacity`` for the
     binned one) also writes that layout's route map in the same launch and keeps it on ``indices``
     for the routing calls of the step (:func:`routing.keep_route_map`), so none of them launches a
-    kernel to build it."""
+    kernel to build it; in the NPU form, for the padded and binned layouts, also their row map
+    (:func:`routing.keep_row_map`), for the buffer-row-major gather."""
     keys = top_experts.reshape(-1)
     n = keys.shape[0]
     indices = torch.empty(n, dtype=torch.int32, device=keys.device)
     bin_ids = torch.empty(n, dtype=torch.int32, device=keys.device)
     keep = route != NO_ROUTE and routing.route_map_keepable(indices)
-    tokens_per_expert, bins, padded_bins, slot_to_row = _launch(
+    tokens_per_expert, bins, padded_bins, slot_to_row, row_pos = _launch(
         keys, num_experts, -1, place=ROUTING, indices=indices, bin_ids=bin_ids, block=block,
         route=route if keep else NO_ROUTE,
         capacity=capacity, tile=tile, num_programs=num_programs, npu_form=npu_form)
     if keep:
-        routing.keep_route_map(indices, bins, padded_bins if route == routing.PADDED else None,
-                               slot_to_row, layout=route, capacity=capacity if route == routing.BINNED else 0)
+        kept_padded = padded_bins if route == routing.PADDED else None
+        kept_capacity = capacity if route == routing.BINNED else 0
+        routing.keep_route_map(indices, bins, kept_padded, slot_to_row, layout=route, capacity=kept_capacity)
+        if row_pos is not None:
+            routing.keep_row_map(indices, bins, kept_padded, row_pos, layout=route, capacity=kept_capacity)
     return indices, bin_ids, bins, tokens_per_expert, padded_bins
 
 
