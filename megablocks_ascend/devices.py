@@ -167,6 +167,30 @@ STORES = {"npu": "contiguous", "cuda": "scattered", "interpreter": "contiguous"}
 PREP_NPU_FORM = {"npu": True, "cuda": False, "interpreter": True}
 
 
+# How the contiguous-store form's kernels load the rows they gather (kernels/routing.py, SELECT;
+# MEGABLOCKS_ASCEND_ROW_LOADS overrides it), per kernel kind: "masked", a 2-D tile load whose row
+# offsets come from an index vector, or "select", triton-ascend's index_select_simd builtin (on an NPU;
+# the interpreter runs its documented semantics in plain Triton). Chosen for the NPU from the compile
+# gate's census of both forms (docs/notes/many-experts.md); the interpreter runs the NPU's choice;
+# CUDA keeps its masked loads. Either form applies only where rows are int32-addressed and the
+# feature tiles are whole (the builtin, as triton-ascend 3.2.0 lowers it, reads BLOCK_X columns of
+# every row, past the end of a row in a partial last tile).
+ROW_LOADS = {
+    "npu": {"gather": "masked", "scatter": "masked", "wgrad": "masked"},
+    "cuda": {"gather": "masked", "scatter": "masked", "wgrad": "masked"},
+}
+ROW_LOADS["interpreter"] = ROW_LOADS["npu"]
+
+
+def row_select(device: torch.device, kind: str) -> bool:
+    """Whether kernel ``kind`` on ``device`` loads its gathered rows with ``index_select_simd``
+    (:data:`ROW_LOADS`), before the launcher's own conditions (int32 offsets, whole feature tiles)."""
+    choice = envs.row_loads()
+    if choice == "auto":
+        choice = ROW_LOADS[target(device)][kind]
+    return choice == "select"
+
+
 def contiguous_stores(device: torch.device) -> bool:
     """Whether the routing kernels on ``device`` take the contiguous-store form (see :data:`STORES`)."""
     choice = envs.stores()

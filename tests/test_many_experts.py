@@ -177,3 +177,76 @@ def test_padded_and_binned_gathers_of_one_slot(target, stores, want, monkeypatch
     routing.padded_gather(x, idx, idx, None, bins, bins, 1)
     routing.gather(x, idx, idx, None, bins, 1)
     assert ran == [want, want, "gather_rows"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The SELECT form: rows loaded through triton-ascend's index_select_simd (its documented semantics
+# in plain Triton here, NaN past the tensor), behind MEGABLOCKS_ASCEND_ROW_LOADS.
+
+def _nine_calls(hidden, top_k, gen):
+    tokens, experts = 19, 6
+    indices, bin_ids, bins, _ = ref.make_routing(tokens, experts, top_k, skew=1.0, empty_experts=(2,), generator=gen)
+    n = tokens * top_k
+    pbins = ref.padded_bins(bins, 4)
+    cap = max(1, n // experts - 1)  # drops some
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    w = torch.rand(n, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+
+    def buffer(rows, position_rows):  # NaN in every row no position lands on
+        y = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+        y[ref.unused_rows(position_rows, rows)] = float("nan")
+        return y
+    yb = buffer(experts * cap, ref.binned_rows(bins, cap)).view(experts, cap, hidden)
+    yd = buffer(n, ref.dropless_rows(bins))
+    yp = buffer(int(pbins[-1]), ref.padded_rows(bins, pbins))
+    return {
+        "binned_gather": (x, indices, w, bins, cap, top_k),
+        "binned_scatter": (yb, indices, w, bins, top_k),
+        "binned_scatter_wgrad": (yb, grad, indices, bins, top_k),
+        "gather": (x, indices, bin_ids, w, bins, top_k),
+        "scatter": (yd, indices, bin_ids, w, bins, top_k),
+        "scatter_wgrad": (yd, grad, indices, bin_ids, bins, top_k),
+        "padded_gather": (x, indices, bin_ids, w, bins, pbins, top_k),
+        "padded_scatter": (yp, indices, bin_ids, w, bins, pbins, top_k),
+        "padded_scatter_wgrad": (yp, grad, indices, bin_ids, bins, pbins, top_k),
+    }
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_the_select_form_gives_the_masked_forms_results(top_k, poisoned, monkeypatch):
+    """Every routing op of the contiguous-store form with its gathered rows loaded through
+    index_select_simd's semantics (``MEGABLOCKS_ASCEND_ROW_LOADS=select``: rows clamped to valid ones,
+    then those not valid selected to 0) gives bit for bit what the masked 2-D loads give, rows no
+    position lands on holding NaN; and the launchers do pass SELECT for it."""
+    gen = torch.Generator().manual_seed(top_k)
+    calls = _nine_calls(32, top_k, gen)  # whole feature tiles of 16: SELECT applies
+    launched = []
+    real = routing._gather.launch, routing._scatter.launch, routing._wgrad.launch
+    for k, launch in zip((routing._gather, routing._scatter, routing._wgrad), real):
+        monkeypatch.setattr(k, "launch", lambda *a, _l=launch, **kw: launched.append(kw["SELECT"]) or _l(*a, **kw))
+    results = {}
+    for loads in ("masked", "select"):
+        monkeypatch.setenv("MEGABLOCKS_ASCEND_ROW_LOADS", loads)
+        launched.clear()
+        results[loads] = {name: getattr(routing, name)(*args, tile=SMALL, num_programs=3) for name, args in calls.items()}
+        assert set(launched) == {loads == "select"}, (loads, launched)
+    for name in calls:
+        got, want = results["select"][name], results["masked"][name]
+        assert not got.isnan().any(), name
+        assert torch.equal(got, want), name
+
+
+def test_select_only_where_rows_are_int32_and_tiles_whole(monkeypatch):
+    """The launchers leave SELECT off for a partial last feature tile (the builtin, as triton-ascend
+    3.2.0 lowers it, reads whole tiles past a row's end) and for int64 offsets, whatever the switch."""
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_ROW_LOADS", "select")
+    cpu = torch.device("cpu")
+    assert routing._select(cpu, "gather", dict(INT64=False, EVEN_X=True))["SELECT"]
+    assert not routing._select(cpu, "gather", dict(INT64=False, EVEN_X=False))["SELECT"]
+    assert not routing._select(cpu, "gather", dict(INT64=True, EVEN_X=True))["SELECT"]
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_ROW_LOADS", "auto")  # the census's choice: masked everywhere
+    assert not any(devices.row_select(cpu, k) for k in ("gather", "scatter", "wgrad"))
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_ROW_LOADS", "gathered")
+    with pytest.raises(ValueError, match="expected one of auto, masked, select"):
+        devices.row_select(cpu, "gather")

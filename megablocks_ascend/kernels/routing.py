@@ -91,7 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megablocks_ascend import devices, envs, keeping
+from megablocks_ascend import compat, devices, envs, keeping
 from megablocks_ascend.compat import kernel
 from megablocks_ascend.kernels.scan import cumsum
 
@@ -251,6 +251,45 @@ def _scaled(tile, scale, valid, dtype):
     return tl.where(valid[:, None], (tile.to(tl.float32) * scale[:, None]).to(dtype), 0)
 
 
+# Row loads through triton-ascend's index_select_simd (the SELECT form, devices.ROW_LOADS): on
+# triton-ascend the builtin itself; elsewhere (standard Triton, the interpreter) its documented
+# semantics in plain Triton, so that CI runs the kernels' SELECT form: rows ``rows`` of a
+# [num_src_rows, hidden] tensor, columns [x0, x0 + BLOCK_X); no check of the row numbers; what lies
+# outside the tensor is not defined (NaN here: a kernel that does not select those elements away
+# fails its tests).
+_ASCEND = compat.ascend_row_select()  # the module holding the builtin, or None
+
+
+@triton.jit
+def _select_rows_builtin(src, rows, num_src_rows, hidden, x0, BLOCK_X: tl.constexpr):
+    return _ASCEND.index_select_simd(src, 0, rows, [num_src_rows, hidden], [-1, x0], [-1, BLOCK_X])
+
+
+@triton.jit
+def _select_rows_plain(src, rows, num_src_rows, hidden, x0, BLOCK_X: tl.constexpr):
+    cols = x0 + tl.arange(0, BLOCK_X)
+    inside = (rows >= 0) & (rows < num_src_rows)
+    return tl.load(src + rows[:, None] * hidden + cols[None, :], mask=inside[:, None] & (cols < hidden)[None, :],
+                   other=float("nan"))
+
+
+_select_rows = _select_rows_builtin if _ASCEND is not None else _select_rows_plain
+
+
+@triton.jit
+def _load_rows(src, rows, offsets, valid, num_src_rows, hidden, x0, c, c_mask,
+               SELECT: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Feature tile ``c`` of rows ``rows`` of ``src`` (row numbers clamped to valid ones, ``offsets``
+    their element offsets): 0 where not ``valid`` and outside the features. ``SELECT``: through
+    ``index_select_simd`` (the launcher sets it only for int32 offsets and whole feature tiles), the
+    rows not ``valid`` selected to 0 after the load; else one masked 2-D load."""
+    if SELECT:
+        tile = tl.where(valid[:, None], _select_rows(src, rows, num_src_rows, hidden, x0, BLOCK_X), 0)
+    else:
+        tile = tl.load(src + offsets[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+    return tile
+
+
 _INT32_LIMIT = 2**31
 
 
@@ -258,7 +297,7 @@ _INT32_LIMIT = 2**31
 def _gather(
     x, out, indices, row_pos, weights,
     num_rows, map_rows, num_positions, hidden,
-    MAPPED: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
+    MAPPED: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr, SELECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # Buffer-row-major. Each row's sorted position is the row itself (dropless) or, MAPPED (padded,
@@ -294,7 +333,7 @@ def _gather(
         dst = _offsets(rows, hidden, INT64)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-            tile = tl.load(x + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+            tile = _load_rows(x, token, src, valid, num_positions // TOP_K, hidden, x0, c, c_mask, SELECT, BLOCK_X)
             if SCALE:
                 tile = (tile.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
             tl.store(out + dst[:, None] + c[None, :], tile, mask=in_rows[:, None] & c_mask[None, :])
@@ -399,7 +438,7 @@ def _row_map(
 def _scatter(
     y, out, slot_to_row, weights,
     num_tokens, num_rows, hidden,
-    TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr, FLAT: tl.constexpr,
+    TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr, FLAT: tl.constexpr, SELECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # Token-major: a sub-block of BLOCK_M tokens gathers its slots' rows on load and stores its
@@ -425,7 +464,8 @@ def _scatter(
             in_slots = (slots < num_tokens * TOP_K) & (slots - first[:, None] < TOP_K)
             row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
             valid = in_slots & (row >= 0) & (row < num_rows)
-            src = _offsets(tl.reshape(tl.where(valid, row, 0), (BLOCK_M * BLOCK_K,)), hidden, INT64)
+            flat_rows = tl.reshape(tl.where(valid, row, 0), (BLOCK_M * BLOCK_K,))
+            src = _offsets(flat_rows, hidden, INT64)
             if SCALE:
                 # A dropped slot's weight is selected away, not multiplied by its zero row: a NaN or
                 # infinite weight would make the token's sum NaN (CUDA's form masks it the same way).
@@ -434,7 +474,7 @@ def _scatter(
             valid = tl.reshape(valid, (BLOCK_M * BLOCK_K,))
             for x0 in range(0, hidden, BLOCK_X):
                 c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-                tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+                tile = _load_rows(y, flat_rows, src, valid, num_rows, hidden, x0, c, c_mask, SELECT, BLOCK_X)
                 tile = tile.to(tl.float32)
                 if SCALE:
                     tile = tile * scale[:, None]
@@ -495,7 +535,7 @@ def _scatter_one(
 def _wgrad(
     y, grad, out, slot_to_row,
     num_slots, num_rows, hidden,
-    TOP_K: tl.constexpr, INT64: tl.constexpr,
+    TOP_K: tl.constexpr, INT64: tl.constexpr, SELECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # Slot-major: consecutive slots share a token, so each grad row is read once.
@@ -515,9 +555,9 @@ def _wgrad(
         acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-            mask = valid[:, None] & c_mask[None, :]
-            a = tl.load(y + src[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
-            b = tl.load(grad + gsrc[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
+            a = _load_rows(y, row, src, valid, num_rows, hidden, x0, c, c_mask, SELECT, BLOCK_X).to(tl.float32)
+            b = _load_rows(grad, token, gsrc, valid, num_slots // TOP_K, hidden, x0, c, c_mask, SELECT,
+                           BLOCK_X).to(tl.float32)
             acc += a * b
         tl.store(out + slots, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=in_slots)
 
@@ -625,6 +665,12 @@ def _row_meta(t, hidden, **meta):
     return dict(meta, BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, num_warps=t.num_warps)
 
 
+def _select(device, kind, meta) -> dict:
+    """``meta`` with ``SELECT``: whether ``kind``'s gathered rows load through ``index_select_simd``
+    (``devices.row_select``), where its offsets are int32 and its feature tiles whole."""
+    return dict(meta, SELECT=devices.row_select(device, kind) and not meta["INT64"] and meta["EVEN_X"])
+
+
 def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k,
                 capacity=0, tile=None, num_programs=None):
     """``out[r] = x[slot(r) // top_k] * weights[slot(r)]`` for every buffer row ``r`` (0 for padding).
@@ -645,12 +691,12 @@ def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top
 
     def plan():
         t = _tile("gather", x.dtype, hidden, device, tile)
-        return _grid(device, _cdiv(num_rows, t.block_m), num_programs), _row_meta(
+        return _grid(device, _cdiv(num_rows, t.block_m), num_programs), _select(device, "gather", _row_meta(
             t, hidden, MAPPED=mapped, TOP_K=top_k, SCALE=weights is not None,
-            INT64=_needs_int64(tokens * hidden, num_rows * hidden))
+            INT64=_needs_int64(tokens * hidden, num_rows * hidden)))
 
     grid, meta = _planned(("gather", device, x.dtype, tokens, hidden, num_rows, mapped, top_k,
-                           weights is None, tile, num_programs, envs.num_programs_override()), plan)
+                           weights is None, tile, num_programs, envs.num_programs_override(), envs.row_loads()), plan)
     _gather.launch(grid, x, out, indices, row_pos, weights if weights is not None else x, num_rows, map_rows, n,
                    hidden, **meta)
     return out
@@ -865,13 +911,15 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
 
     def plan():
         t = _tile("scatter", y.dtype, hidden, device, tile, top_k=devices.block_k(top_k))  # its slot rows
-        return _grid(device, _cdiv(num_tokens, t.block_m), num_programs), _row_meta(
+        flat = devices.contiguous_stores(device)
+        meta = _select(device, "scatter", _row_meta(
             t, hidden, TOP_K=top_k, SCALE=weights is not None,
-            INT64=_needs_int64(rows * hidden, num_tokens * hidden), FLAT=devices.contiguous_stores(device),
-            BLOCK_K=devices.block_k(top_k))
+            INT64=_needs_int64(rows * hidden, num_tokens * hidden), FLAT=flat, BLOCK_K=devices.block_k(top_k)))
+        meta["SELECT"] = meta["SELECT"] and flat  # (the flat form's rows; CUDA's per-slot loads are masked)
+        return _grid(device, _cdiv(num_tokens, t.block_m), num_programs), meta
 
     grid, meta = _planned(("scatter", device, y.dtype, rows, hidden, num_tokens, top_k, weights is None, tile,
-                           num_programs, envs.num_programs_override(), envs.stores()), plan)
+                           num_programs, envs.num_programs_override(), envs.stores(), envs.row_loads()), plan)
     _scatter.launch(grid, y, out, slot_to_row, weights if weights is not None else y, num_tokens, rows, hidden,
                     **meta)
     return out
@@ -932,11 +980,11 @@ def wgrad_rows(y, grad, slot_to_row, *, top_k, tile=None, num_programs=None):
 
     def plan():
         t = _tile("wgrad", y.dtype, hidden, device, tile)
-        return _grid(device, _cdiv(n, t.block_m), num_programs), _row_meta(
-            t, hidden, TOP_K=top_k, INT64=_needs_int64(rows * hidden, grad_numel))
+        return _grid(device, _cdiv(n, t.block_m), num_programs), _select(device, "wgrad", _row_meta(
+            t, hidden, TOP_K=top_k, INT64=_needs_int64(rows * hidden, grad_numel)))
 
     grid, meta = _planned(("wgrad", device, y.dtype, rows, hidden, n, grad_numel, top_k, tile, num_programs,
-                           envs.num_programs_override()), plan)
+                           envs.num_programs_override(), envs.row_loads()), plan)
     _wgrad.launch(grid, y, grad, out, slot_to_row, n, rows, hidden, **meta)
     return out
 

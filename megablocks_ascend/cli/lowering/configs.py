@@ -103,6 +103,8 @@ def _expand(spec: KernelSpec, spec_axes: dict, axes: dict, experts: int, overrid
     for combo in itertools.product(*values):
         ax = dict(zip(names, combo))
         constexprs, cube = _constexprs(spec, ax, experts)
+        if spec.when is not None and not spec.when({**ax, **constexprs}):
+            continue  # a point no launcher produces
         scalars = spec.scalars(Problem.of(ax, experts))
         missing = set(spec.derived) - set(constexprs)
         if missing:

@@ -112,6 +112,8 @@ class KernelSpec:
     # values each, in the table beside the full product at EXPERTS (issue 33: tiles and per-row
     # costs that do not grow with the expert count, held from the recorded census); None: none.
     many: dict | None = None
+    # Which points of the axes the launchers can produce, given the derived constexprs too (None: all).
+    when: Callable[[dict], bool] | None = None
 
     def kernel(self):
         """The ``compat.Kernel`` this entry names (from ``variant`` when one is given)."""
@@ -144,7 +146,8 @@ def source_digest(spec: "KernelSpec") -> str:
         module = importlib.import_module(name)
         for attr in sorted(vars(module)):
             fn = getattr(getattr(module, attr), "fn", None)
-            if callable(fn) and getattr(fn, "__module__", None) == name:
+            # (under its own name only: an alias bound per Triton, routing._select_rows, is not code)
+            if callable(fn) and getattr(fn, "__module__", None) == name and getattr(fn, "__name__", attr) == attr:
                 parts.append(f"{name}.{attr}\n{code(fn)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -168,12 +171,18 @@ def _one_slot(p: Problem) -> dict:  # _scatter_one, _wgrad_one
 _ROUTING = dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES)
 _ROW_TILE = ("BLOCK_M", "BLOCK_X", "EVEN_X")
 _ROW_TILE_E = ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X")  # and the bins' BLOCK_E
-_MANY_ROWS = dict(dtype=("bf16",), hidden=(1024,), INT64=(False,))  # the row kernels' axes at many experts
+_MANY_ROWS = dict(dtype=("bf16",), hidden=(1024,), INT64=(False,), SELECT=BOOLS)  # the row kernels' at many experts
+
+
+def _selectable(c: dict) -> bool:
+    """SELECT (rows loaded through triton-ascend's index_select_simd) only where the launchers set it:
+    int32 offsets and whole feature tiles (routing._select)."""
+    return not c["SELECT"] or (c["EVEN_X"] and not c["INT64"])
 ROUTING_KERNELS = (
-    KernelSpec("_gather", "gather", dict(_ROUTING, MAPPED=BOOLS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
+    KernelSpec("_gather", "gather", dict(_ROUTING, MAPPED=BOOLS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS, SELECT=BOOLS),
                _ROW_TILE, ("x", "out", "weights"), True,
                lambda p: dict(num_rows=p.rows, map_rows=p.rows, num_positions=p.positions, hidden=p.hidden),
-               many=dict(_MANY_ROWS, MAPPED=BOOLS, TOP_K=TOP_K_MANY, SCALE=(True,))),
+               many=dict(_MANY_ROWS, MAPPED=BOOLS, TOP_K=TOP_K_MANY, SCALE=(True,)), when=_selectable),
     KernelSpec("_gather_tokens", "gather_tokens", dict(_ROUTING, LAYOUT=LAYOUTS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
                _ROW_TILE_E, ("x", "out", "weights"), True,
                lambda p: dict(num_tokens=TOKENS, num_rows=p.rows, num_experts=p.experts, hidden=p.hidden,
@@ -185,15 +194,15 @@ ROUTING_KERNELS = (
     KernelSpec("_row_map", None, dict(LAYOUT=(1, 2)), ("BLOCK_M", "BLOCK_E"), (), False,
                lambda p: dict(num_rows=p.rows, num_experts=p.experts, capacity=p.capacity),
                many=dict(LAYOUT=(1, 2))),
-    KernelSpec("_scatter", "scatter", dict(_ROUTING, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
+    KernelSpec("_scatter", "scatter", dict(_ROUTING, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS, SELECT=BOOLS),
                _ROW_TILE + ("BLOCK_K", "FLAT"), ("y", "out", "weights"), True,
                lambda p: dict(num_tokens=TOKENS, num_rows=p.positions, hidden=p.hidden), unrolls_top_k=True,
-               many=dict(_MANY_ROWS, TOP_K=TOP_K_MANY, SCALE=(True,))),
+               many=dict(_MANY_ROWS, TOP_K=TOP_K_MANY, SCALE=(True,)), when=_selectable),
     KernelSpec("_scatter_one", "scatter_one", dict(_ROUTING, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
                _ROW_TILE_E, ("y", "out", "weights"), True, _one_slot, npu_chosen=False),
-    KernelSpec("_wgrad", "wgrad", dict(_ROUTING, TOP_K=TOP_KS, INT64=BOOLS), _ROW_TILE, ("y", "grad", "out"), True,
-               lambda p: dict(num_slots=p.positions, num_rows=p.positions, hidden=p.hidden),
-               many=dict(_MANY_ROWS, TOP_K=TOP_K_MANY)),
+    KernelSpec("_wgrad", "wgrad", dict(_ROUTING, TOP_K=TOP_KS, INT64=BOOLS, SELECT=BOOLS), _ROW_TILE,
+               ("y", "grad", "out"), True, lambda p: dict(num_slots=p.positions, num_rows=p.positions, hidden=p.hidden),
+               many=dict(_MANY_ROWS, TOP_K=TOP_K_MANY), when=_selectable),
     KernelSpec("_wgrad_one", "wgrad", dict(_ROUTING, LAYOUT=LAYOUTS, INT64=BOOLS),
                _ROW_TILE_E, ("y", "grad", "out"), True, _one_slot, npu_chosen=False),
 )
