@@ -52,8 +52,8 @@ def _gather_tokens(
 
 @kernel
 def _place(
-    keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row, row_pos,
-    num_items, num_keys, key_mask, chunk, table_rows, block, capacity, map_rows,
+    keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row,
+    num_items, num_keys, key_mask, chunk, table_rows, block, capacity,
     PLACE: tl.constexpr, PADDED: tl.constexpr, ROUTE: tl.constexpr, NPU_FORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # NPU_FORM: the kernel's signature; this form is the last-axis scan whatever it says

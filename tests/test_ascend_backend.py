@@ -386,7 +386,8 @@ def test_gate_fails_an_oversized_vector_tile_by_the_compilers_error():
     """_scatter (fp32, top_k 2, weights) with 32 rows per sub-block: 4x the launchers' tile. The
     plan does not fit the 192 KiB Unified Buffer even single-buffered: bishengir-compile's error."""
     r = _lower("--only", "_scatter", "--axis", "dtype=fp32", "--axis", "hidden=1024", "--axis", "TOP_K=2",
-               "--axis", "SCALE=true", "--axis", "INT64=false", "--axis", "LAYOUT=0", "--set", "BLOCK_M=32")
+               "--axis", "SCALE=true", "--axis", "INT64=false", "--axis", "LAYOUT=0", "--axis", "SELECT=false",
+               "--set", "BLOCK_M=32")
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "lowered: 0/2"

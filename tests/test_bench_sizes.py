@@ -134,3 +134,17 @@ def test_bench_quick_judges_reduced_layers_and_reports_its_sections(tmp_path):
     results = suite.run(plan, tmp_path, "q", plot_png=False, log=lambda s="": None)
     judged = [r for r in results["rows"] if r.get("precision")]
     assert judged and not any(r["precision_layer"]["reduced"] for r in judged)
+
+
+def test_the_default_bench_steps_on_cuda():
+    """On a CUDA host ``bench`` times ours and upstream's steps, eager and captured, at every config,
+    today's fine-grained layers included; the torch backend's step is judged, not timed there. (The
+    default run is sized for 5 minutes on an H200 host: BENCHMARKS.md has what it took.)"""
+    plan = suite.plan_for(torch.device("cuda"), quick=False)
+    assert {"dsv3", "qw3", "e256"} <= set(plan.configs)
+    variants = suite.step_variants(plan, graph=True)
+    assert {(v.backend, v.mode) for v in variants} == {(b, m) for b in ("ascend", "cuda") for m in ("eager", "graph")}
+    assert len(variants) == len(plan.configs) * 2 * 4
+    assert suite.step_backends("cuda") == ("ascend", "torch", "cuda")  # all three judged
+    assert (plan.steps, plan.warmup, plan.profile_steps) == (10, 2, 1)
+    # (elsewhere ours against the torch backend's step: tests/test_bench.py, a stand-in NPU)

@@ -270,13 +270,13 @@ def rel_err(got, want) -> float:
     return worst
 
 
-HOST_SNAPSHOT_BYTES = 2 << 30  # results kept for later comparison larger than this go to the host
+HOST_SNAPSHOT_BYTES = 8 << 30  # results kept for later comparison larger than this go to the host
 
 
 def snapshot(tensors, limit: int = HOST_SNAPSHOT_BYTES) -> list:
     """Copies of a step's results, kept to compare later rows with: on their device, or on the host
     when together they take more than ``limit`` bytes (DeepSeek-V3's layer: 15 GB of weight gradients,
-    which three device copies would add to a step's own 40 GB)."""
+    which two device copies would add to a step's own 55 GB, its graph's pool included)."""
     total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
     host = total > limit
     return [None if t is None else (t.detach().to("cpu", copy=True) if host else t.detach().clone())
@@ -507,7 +507,8 @@ def run_variant(v, case, reference, eager_of_backend, args, device, keep=True):
                 row["floor_ms"] = row["gemm_ms"] + row["routing_ms"]
                 row["x_floor"] = row["wall_ms"] / row["floor_ms"]
         if v.mode == "eager":
-            row["enqueue_ms"] = enqueue_time(run, device, args.steps)
+            if args.enqueue:
+                row["enqueue_ms"] = enqueue_time(run, device, args.steps)
             row["syncs"] = count_syncs(run, device)
             row["launches"], lines = count_launches(run, device, args.launches_by_line)
             if lines is not None:
@@ -567,6 +568,7 @@ class Settings:
     launches_by_line: bool = False
     ceiling_gbps: float | None = None
     host_snapshot_bytes: int = HOST_SNAPSHOT_BYTES  # kept results larger than this live on the host
+    enqueue: bool = True  # eager rows: also the host time to enqueue a step onto an idle device
 
 
 def run(variants, device, settings: Settings, reference_backend: str, log, save=None) -> list[dict]:

@@ -54,11 +54,10 @@ import triton.language as tl
 from megablocks_ascend import devices
 from megablocks_ascend.compat import kernel
 from megablocks_ascend.kernels import routing
-from megablocks_ascend.kernels.routing import _ROWS, _walk_block, _walk_table
 from megablocks_ascend.kernels.scan import cumsum
 
 NO_ROUTE = -1  # ROUTE: no route map; else the layout of the one to write (routing.DROPLESS, ...)
-_DROPLESS, _PADDED, _BINNED = tl.constexpr(routing.DROPLESS), tl.constexpr(routing.PADDED), tl.constexpr(routing.BINNED)
+_DROPLESS, _PADDED = tl.constexpr(routing.DROPLESS), tl.constexpr(routing.PADDED)
 # PLACE: what _place writes besides the counts: nothing (the histogram), the routing preparation
 # (bin_ids are expert ids, written in position order), or a sort (bin_ids are the sorted values).
 HISTOGRAM, ROUTING, SORT = 0, 1, 2
@@ -208,8 +207,8 @@ def _count(
 
 @kernel
 def _place(
-    keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row, row_pos,
-    num_items, num_keys, key_mask, chunk, table_rows, block, capacity, map_rows,
+    keys, counts, indices, bin_ids, tokens_per_expert, bins, padded_bins, slot_to_row,
+    num_items, num_keys, key_mask, chunk, table_rows, block, capacity,
     PLACE: tl.constexpr, PADDED: tl.constexpr, ROUTE: tl.constexpr, NPU_FORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -283,23 +282,6 @@ def _place(
                 tl.store(slot_to_row + items, tl.where(valid & ok, row, -1), mask=inside)
             cursor += _tally(hit, NPU_FORM)
             bad_cursor += tl.sum(bad, axis=0)
-        if NPU_FORM and (ROUTE == _PADDED or ROUTE == _BINNED):
-            # The row map of the layout (routing._row_map's, for the buffer-row-major gather): every
-            # row of the map, walked in blocks of one expert's consecutive rows, each program its
-            # share of the blocks, from the totals every program holds (bins is written by program
-            # 0 in this launch: not read back). Every store lands on consecutive rows.
-            if ROUTE == _PADDED:
-                rstart = padded_ends - padded
-                rseg = padded
-            else:
-                rstart = e * capacity
-                rseg = tl.zeros((BLOCK_E,), tl.int32) + capacity
-            we, first, nblk, blocks, wstart, wend, wdelta, wkend = _walk_table(
-                e, e < num_keys, starts, total, rstart, rseg, num_keys, map_rows, _ROWS, BLOCK_M, BLOCK_E)
-            for blk in range(pid, blocks, npg):
-                rows, in_rows, d, k_end = _walk_block(blk, m, map_rows, we, first, nblk, wstart, wend, wdelta, wkend,
-                                                      _BINNED, _ROWS, BLOCK_M)
-                tl.store(row_pos + rows, tl.where(rows < k_end, rows + d, -1), mask=in_rows & (rows < map_rows))
         if PLACE == _ROUTING and NPU_FORM:
             # bin_ids written in position order, this program's share of the positions: the key
             # whose segment holds position p, i.e. how many segments end at or before p (num_keys
@@ -337,8 +319,8 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
     """Both launches over the flat ``keys``; returns ``(tokens_per_expert, bins, padded_bins,
     slot_to_row, row_pos)`` and, unless ``place`` is ``HISTOGRAM``, fills ``indices`` and ``bin_ids``
     (``ROUTING``: each position's expert; ``SORT``: each position's value). ``row_pos`` (the padded or
-    binned route's row map, :func:`routing.row_map`) is written in the NPU form only, where the
-    buffer-row-major gather reads it; None elsewhere."""
+    binned route's row map, :func:`routing.row_map`) is made in the NPU form only, where the
+    buffer-row-major gather reads it, by a third launch (:func:`_row_map_of`); None elsewhere."""
     n = keys.shape[0]
     device = keys.device
     target = devices.target(device)
@@ -351,17 +333,12 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
     bins = torch.empty(num_keys, dtype=torch.int32, device=device)
     padded_bins = torch.empty(num_keys, dtype=torch.int32, device=device) if block else None
     slot_to_row = torch.empty(n, dtype=torch.int32, device=device) if route != NO_ROUTE else None
-    map_rows = 0
-    if npu_form and place != HISTOGRAM and route in (routing.PADDED, routing.BINNED):
-        map_rows = routing.padded_rows_bound(n, num_keys, block) if route == routing.PADDED else num_keys * capacity
-    row_pos = torch.empty(map_rows, dtype=torch.int32, device=device) if map_rows else None
     if n == 0:
         for out in (tokens_per_expert, bins, padded_bins):
             if out is not None:
                 out.zero_()
-        if row_pos is not None:
-            row_pos.fill_(-1)
-        return tokens_per_expert, bins, padded_bins, slot_to_row, row_pos
+        return tokens_per_expert, bins, padded_bins, slot_to_row, _row_map_of(bins, padded_bins, n, route, capacity, block,
+                                                                          npu_form and place != HISTOGRAM, num_programs)
     # Both launches cut the items into the same chunks, whole blocks of both kernels.
     programs, chunk = _grid(device, n, max(t.block_m, count_block), num_programs)
     # One histogram row per program, then one count of invalid keys per program; rows up to a
@@ -376,12 +353,31 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
     _place.launch(
         (programs,), keys, counts, indices if placed else counts, bin_ids if placed else counts, tokens_per_expert, bins,
         padded_bins if block else bins, slot_to_row if slot_to_row is not None else counts,
-        row_pos if row_pos is not None else counts,
-        n, num_keys, key_mask, chunk, table_rows, max(block, 1), capacity, map_rows,
+        n, num_keys, key_mask, chunk, table_rows, max(block, 1), capacity,
         PLACE=place, PADDED=bool(block), ROUTE=route, NPU_FORM=npu_form,
         BLOCK_M=t.block_m, BLOCK_E=block_e, BLOCK_P=block_p, num_warps=t.num_warps,
     )
+    row_pos = _row_map_of(bins, padded_bins, n, route, capacity, block, npu_form and place != HISTOGRAM, num_programs)
     return tokens_per_expert, bins, padded_bins, slot_to_row, row_pos
+
+
+def _row_map_of(bins, padded_bins, n, route, capacity, block, npu_form, num_programs):
+    """The padded or binned route's row map, for the buffer-row-major gather (the NPU form only; None
+    elsewhere): every row a gather of this routing can have (``routing.padded_rows_bound``,
+    ``experts * capacity``), in a third launch (``routing._row_map``: a walk with contiguous
+    stores). Written in ``_place`` instead, its per-row search or picks over ``[BLOCK_M, BLOCK_E]``
+    tiles took the placement's Unified Buffer plan to 193-196 KiB of 192 (docs/notes/many-experts.md)."""
+    if not npu_form or route not in (routing.PADDED, routing.BINNED):
+        return None
+    experts = bins.shape[0]
+    rows = routing.padded_rows_bound(n, experts, block) if route == routing.PADDED else experts * capacity
+    if rows == 0:
+        return None
+    if n == 0:
+        return torch.full((rows,), -1, dtype=torch.int32, device=bins.device)
+    return routing._compute_row_map(bins, padded_bins if route == routing.PADDED else None, layout=route,
+                                    num_rows=rows, capacity=capacity if route == routing.BINNED else 0,
+                                    num_programs=num_programs)
 
 
 def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=0, *, tile=None,
@@ -394,7 +390,7 @@ def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=
     binned one) also writes that layout's route map in the same launch and keeps it on ``indices``
     for the routing calls of the step (:func:`routing.keep_route_map`), so none of them launches a
     kernel to build it; in the NPU form, for the padded and binned layouts, also their row map
-    (:func:`routing.keep_row_map`), for the buffer-row-major gather."""
+    (:func:`routing.keep_row_map`, a third launch), for the buffer-row-major gather."""
     keys = top_experts.reshape(-1)
     n = keys.shape[0]
     indices = torch.empty(n, dtype=torch.int32, device=keys.device)

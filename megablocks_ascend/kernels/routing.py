@@ -431,7 +431,7 @@ def _row_map(
     for blk in range(pid, total, npg):
         rows, inside, d, k_end = _walk_block(blk, m, num_rows, e, first, nblk, start, end, delta, kend,
                                              LAYOUT, _ROWS, BLOCK_M)
-        tl.store(row_pos + rows, tl.where(rows < k_end, rows + d, -1), mask=inside & (rows < num_rows))
+        tl.store(row_pos + rows, tl.where(rows < k_end, rows + d, -1), mask=inside & (rows >= 0) & (rows < num_rows))
 
 
 @kernel

@@ -122,8 +122,7 @@ class KernelSpec:
 
 def source_digest(spec: "KernelSpec") -> str:
     """A digest of the Triton code a kernel's census depends on: every jit function and kernel of
-    its module and of ``kernels.scan`` (their shared helper; the preparation's also of ``kernels.routing``,
-    whose walk it calls), as code (comments and docstrings do
+    its module and of ``kernels.scan`` (their shared helper), as code (comments and docstrings do
     not count). Recorded with the census (``tests/data/ascend_census.json``) so that a test can
     tell the record is stale."""
     import ast  # noqa: PLC0415
@@ -139,10 +138,7 @@ def source_digest(spec: "KernelSpec") -> str:
                 node.body = body[1:] or [ast.Pass()]
         return ast.unparse(tree)
     parts = []
-    modules = {spec.kernel().fn.__module__, "megablocks_ascend.kernels.scan"}
-    if spec.module == "preparation":  # (it calls the routing module's walk)
-        modules.add("megablocks_ascend.kernels.routing")
-    for name in sorted(modules):
+    for name in sorted({spec.kernel().fn.__module__, "megablocks_ascend.kernels.scan"}):
         module = importlib.import_module(name)
         for attr in sorted(vars(module)):
             fn = getattr(getattr(module, attr), "fn", None)
@@ -237,18 +233,12 @@ def _count(p: Problem) -> dict:
     return dict(num_items=p.positions, num_keys=p.experts, key_mask=-1, chunk=chunk, table_rows=table_rows)
 
 
-def _place(p: Problem) -> dict:
-    capacity = p.positions // p.experts
-    route = p.axes.get("ROUTE", -1)
-    map_rows = {1: p.positions + p.experts * 127, 2: p.experts * capacity}.get(route, 0)  # the row map's rows
-    return dict(_count(p), block=128, capacity=capacity, map_rows=map_rows)
-
-
 PREPARATION_KERNELS = (
     KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E", "NPU_FORM", "CHUNK"), ("keys",),
                False, _count, module="preparation", hot_step="BLOCK_M", many=dict(index=("i32", "i64"))),
     KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=PLACES, PADDED=BOOLS, ROUTE=ROUTES),
-               ("BLOCK_M", "BLOCK_E", "BLOCK_P", "NPU_FORM"), ("keys",), False, _place,
+               ("BLOCK_M", "BLOCK_E", "BLOCK_P", "NPU_FORM"), ("keys",), False,
+               lambda p: dict(_count(p), block=128, capacity=p.positions // p.experts),
                module="preparation", hot_step="BLOCK_M", inherent_row_stores=lambda axes: axes["PLACE"],
                many=dict(index=("i64",), PLACE=(1,), PADDED=BOOLS, ROUTE=ROUTES)),
 )
