@@ -250,3 +250,36 @@ def test_select_only_where_rows_are_int32_and_tiles_whole(monkeypatch):
     monkeypatch.setenv("MEGABLOCKS_ASCEND_ROW_LOADS", "gathered")
     with pytest.raises(ValueError, match="expected one of auto, masked, select"):
         devices.row_select(cpu, "gather")
+
+
+@pytest.mark.parametrize("experts, tokens, top_k", [(8, 256, 2), (256, 64, 8)])
+@pytest.mark.parametrize("layout", [routing.PADDED, routing.BINNED])
+def test_row_map_and_gather_on_the_test_device(device, experts, tokens, top_k, layout):
+    """On ``MEGABLOCKS_ASCEND_TEST_DEVICE`` (CUDA: compiled Triton, launch-sized tiles and grid): the
+    preparation's row map in the NPU form equals the row-map kernel's and a Python loop's, and the
+    buffer-row-major gather through it equals the torch backend's, at 8 and 256 experts."""
+    from megablocks_ascend import reference
+    gen = torch.Generator().manual_seed(experts)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(device)
+    n = ids.numel()
+    block, capacity = (128, 0) if layout == routing.PADDED else (0, max(n // experts, 1))
+    indices, bin_ids, bins, _, padded_bins = preparation.prepare_routing(ids, experts, block, layout, capacity,
+                                                                         npu_form=True)
+    row_pos = routing.row_map(indices, bins, padded_bins, layout=layout, num_rows=1, capacity=capacity)
+    rows = row_pos.shape[0]
+    computed = routing._compute_row_map(bins, padded_bins, layout=layout, num_rows=rows, capacity=capacity,
+                                        num_programs=None)
+    assert torch.equal(row_pos, computed)
+    positions = ref.padded_rows(bins.cpu(), padded_bins.cpu()) if layout == routing.PADDED else \
+        ref.binned_rows(bins.cpu(), capacity)
+    assert row_pos.cpu().tolist() == row_reference(positions, rows)
+    x = torch.randn(tokens, 256, generator=gen).to(device)  # (float32: one rounding either way, the same)
+    w = torch.rand(n, generator=gen).to(device)
+    num_rows = int(padded_bins[-1]) if layout == routing.PADDED else experts * capacity
+    got = routing.gather_rows(x, indices, bins, padded_bins, w, layout=layout, num_rows=num_rows, top_k=top_k,
+                              capacity=capacity)
+    if layout == routing.PADDED:
+        want = reference.padded_gather(x, indices, bin_ids, w, bins, padded_bins, top_k)
+    else:
+        want = reference.binned_gather(x, indices, w, bins, capacity, top_k).reshape(num_rows, -1)
+    assert torch.equal(got, want)

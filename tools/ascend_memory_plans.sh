@@ -8,8 +8,9 @@
 # hand) into tests/data/ascend_census.json, which tests/test_census.py holds against the census's
 # targets and against today's kernel sources (docs/notes/npu-census.md).
 #
-# Needs the lowering venv with ascendnpu-ir (tools/ascend_lowering_env.sh). about 2200 configurations:
-# about 15 minutes on 2 idle cores. Only the A2 target is recorded: the A3 targets plan the same (the
+# Needs the lowering venv with ascendnpu-ir (tools/ascend_lowering_env.sh). About 2500 configurations
+# (1838 recorded in the census; 624 with a tile set by hand are plans only): 21-45 minutes on 2
+# cores that other jobs share. Only the A2 target is recorded: the A3 targets plan the same (the
 # gate compiles both for the table on every CI run).
 #
 # Usage: tools/ascend_memory_plans.sh [PLANS.json [CENSUS.json]]
