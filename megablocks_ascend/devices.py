@@ -93,7 +93,7 @@ class UbModel:
     dtype_copies_k: float  # per top_k beyond the first (top_k unrolled: tl.static_range)
     f32_copies_k: float
     per_row: float  # bytes per row of the sub-block
-    per_row_expert: float  # int32 words per row per BLOCK_E (a [BLOCK_M, BLOCK_E] search)
+    per_row_expert: float  # int32 words per row per BLOCK_E (the walks' per-expert vectors, CUDA's forms)
     per_column: float  # int32 words per feature column per top_k (column offsets and masks)
     fixed: int  # bytes per program (scalars, BLOCK_E vectors, the compiler's own)
 
@@ -108,7 +108,7 @@ class UbModel:
 # has the data and how to refit.
 UB_MODELS = {
     #                 dtype   f32     masks   dtype/k f32/k   row  row/E  col/k  fixed
-    # gather: since the row map (2026-12-05, docs/notes/many-experts.md) the kernel has no per-row
+    # gather: since the row map (2026-12-04, docs/notes/many-experts.md) the kernel has no per-row
     # search over the experts; its per-row term is the fitted one at 8 experts (192 + 4 * 8 * 8.125),
     # so its tiles are the ones it had at 8 experts, now at every expert count.
     "gather": UbModel(0.5, 1.5625, 1.5, 0.0, 0.0, 452, 0.0, 1.25, 9 * 1024),
