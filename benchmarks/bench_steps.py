@@ -4,6 +4,7 @@ The command line of :mod:`megablocks_ascend.bench.steps`, which holds the harnes
 fields and columns.
 
     python benchmarks/bench_steps.py                       # default set (H200: a few minutes)
+    python benchmarks/bench_steps.py --only config=dsv3,qw3,e256   # today's fine-grained layers
     python benchmarks/bench_steps.py --only mode=compile,compile-ro --only config=qw128
     python benchmarks/bench_steps.py --quick               # CPU smoke test (interpreter)
     python benchmarks/bench_steps.py --only layer=dMoE --only mlp_type=mlp,glu --only wgrad_fill=empty,full
@@ -40,6 +41,9 @@ def main(argv=None):
                     help="keep each eager row's launches by source line in the JSON (slower count)")
     ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_steps")
+    ap.add_argument("--host-snapshot-mib", type=float, default=steps.HOST_SNAPSHOT_BYTES / 2**20,
+                    help="results kept to compare later rows with go to the host above this size (default "
+                         f"{steps.HOST_SNAPSHOT_BYTES >> 20} MiB: a DeepSeek-V3 layer's gradients are 15 GB)")
     args = ap.parse_args(argv)
     device = routing_ops.setup()
     if device.type == "cpu" and not args.quick:
@@ -49,7 +53,8 @@ def main(argv=None):
                               tokens=steps.QUICK_TOKENS if args.quick else steps.TOKENS,
                               steps=args.steps or (3 if args.quick else 20),
                               warmup=min(args.warmup, 1) if args.quick else args.warmup,
-                              profile_steps=args.profile_steps, launches_by_line=args.launches_by_line)
+                              profile_steps=args.profile_steps, launches_by_line=args.launches_by_line,
+                              host_snapshot_bytes=int(args.host_snapshot_mib * 2**20))
     reference_backend = "torch" if device.type == "cpu" else "cuda"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,9 @@ def main(argv=None):
     log("")
     log(steps.table(results["rows"]))
     log(f"({results['seconds']:.0f} s; vs up = upstream eager wall / this wall, {reference_backend} backend; "
-        f"floor = gemm ms + routing bytes at the copy ceiling, {settings.ceiling_gbps:.0f} GB/s)")
+        f"floor = gemm ms + routing bytes at the copy ceiling, {settings.ceiling_gbps:.0f} GB/s; peak = the most "
+        f"memory allocated above resident while a row was built and ran its first steps, mem = its peak / "
+        f"upstream's in the same mode)")
     log("")
     log(steps.top_table(results["rows"]))
     (out_dir / f"{args.name}.log").write_text("\n".join(lines) + "\n")

@@ -14,6 +14,8 @@ all implement. This module is the only place that knows about the differences:
   neither. Our kernels do not need them today (2-D pointer tiles lower to per-row
   DMA on Ascend, see ``docs/notes/ascend-lowering.md``); the resolver exists so a
   kernel that does never imports a triton-ascend name directly.
+* :func:`ascend_row_select` finds triton-ascend's ``index_select_simd`` (a row gather from global
+  memory into the Unified Buffer), the builtin the routing kernels' ``SELECT`` form calls on an NPU.
 * :func:`dot_needs_float32` says where ``tl.dot`` cannot take bfloat16 operands as they are: the
   Triton interpreter keeps bfloat16 as its uint16 bit patterns and multiplies those.
 * :func:`active_drivers` and :func:`autotuner_needs_driver` tell whether Triton has a
@@ -63,6 +65,27 @@ def slice_ops(language: Any = None, extension_module: str = "triton.language.ext
         return None
     if all(hasattr(ext, name) for name in SLICE_OP_NAMES):
         return types.SimpleNamespace(source=ext.__name__, **{n: getattr(ext, n) for n in SLICE_OP_NAMES})
+    return None
+
+
+ASCEND_GATHER_MODULES = ("triton.language.extra.ascend.libdevice", "triton.language.extra.cann.extension")
+
+
+def ascend_row_select(modules=ASCEND_GATHER_MODULES):
+    """triton-ascend's ``index_select_simd`` builtin (rows of a 2-D tensor in global memory, picked by an
+    index vector, to a tile in the Unified Buffer), or ``None`` where this Triton has none (standard
+    Triton, the interpreter). triton-ascend 3.2.0 has it in ``triton.language.extra.ascend.libdevice``
+    (put there when ``triton`` is imported); later releases also in ``triton.language.extra.cann.extension``.
+    Returns the module holding it, which is what a kernel calls it through."""
+    if not is_triton_ascend():
+        return None
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(module, "index_select_simd", None)):
+            return module
     return None
 
 

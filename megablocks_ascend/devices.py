@@ -93,7 +93,7 @@ class UbModel:
     dtype_copies_k: float  # per top_k beyond the first (top_k unrolled: tl.static_range)
     f32_copies_k: float
     per_row: float  # bytes per row of the sub-block
-    per_row_expert: float  # int32 words per row per BLOCK_E (a [BLOCK_M, BLOCK_E] search)
+    per_row_expert: float  # int32 words per row per BLOCK_E (the walks' per-expert vectors, CUDA's forms)
     per_column: float  # int32 words per feature column per top_k (column offsets and masks)
     fixed: int  # bytes per program (scalars, BLOCK_E vectors, the compiler's own)
 
@@ -108,7 +108,10 @@ class UbModel:
 # has the data and how to refit.
 UB_MODELS = {
     #                 dtype   f32     masks   dtype/k f32/k   row  row/E  col/k  fixed
-    "gather": UbModel(0.5, 1.5625, 1.5, 0.0, 0.0, 192, 8.125, 1.25, 9 * 1024),
+    # gather: since the row map (2026-12-04, docs/notes/many-experts.md) the kernel has no per-row
+    # search over the experts; its per-row term is the fitted one at 8 experts (192 + 4 * 8 * 8.125),
+    # so its tiles are the ones it had at 8 experts, now at every expert count.
+    "gather": UbModel(0.5, 1.5625, 1.5, 0.0, 0.0, 452, 0.0, 1.25, 9 * 1024),
     "scatter": UbModel(0.5, 2.0, 3.1875, 0.5625, 2.125, 496, 0.0, 0.0, 13 * 1024),
     "wgrad": UbModel(1.0625, 3.0, 1.9375, 0.0, 0.0, 0, 2.75, 0.25, 25 * 1024),
     # The kernels of the scattered-store form (STORES: CUDA's; an NPU runs them only when
@@ -208,6 +211,30 @@ STORES = {"npu": "contiguous", "cuda": "scattered", "interpreter": "contiguous"}
 PREP_NPU_FORM = {"npu": True, "cuda": False, "interpreter": True}
 
 
+# How the contiguous-store form's kernels load the rows they gather (kernels/routing.py, SELECT;
+# MEGABLOCKS_ASCEND_ROW_LOADS overrides it), per kernel kind: "masked", a 2-D tile load whose row
+# offsets come from an index vector, or "select", triton-ascend's index_select_simd builtin (on an NPU;
+# the interpreter runs its documented semantics in plain Triton). Chosen for the NPU from the compile
+# gate's census of both forms (docs/notes/many-experts.md); the interpreter runs the NPU's choice;
+# CUDA keeps its masked loads. Either form applies only where rows are int32-addressed and the
+# feature tiles are whole (the builtin, as triton-ascend 3.2.0 lowers it, reads BLOCK_X columns of
+# every row, past the end of a row in a partial last tile).
+ROW_LOADS = {
+    "npu": {"gather": "masked", "scatter": "masked", "wgrad": "masked"},
+    "cuda": {"gather": "masked", "scatter": "masked", "wgrad": "masked"},
+}
+ROW_LOADS["interpreter"] = ROW_LOADS["npu"]
+
+
+def row_select(device: torch.device, kind: str) -> bool:
+    """Whether kernel ``kind`` on ``device`` loads its gathered rows with ``index_select_simd``
+    (:data:`ROW_LOADS`), before the launcher's own conditions (int32 offsets, whole feature tiles)."""
+    choice = envs.row_loads()
+    if choice == "auto":
+        choice = ROW_LOADS[target(device)][kind]
+    return choice == "select"
+
+
 def contiguous_stores(device: torch.device) -> bool:
     """Whether the routing kernels on ``device`` take the contiguous-store form (see :data:`STORES`)."""
     choice = envs.stores()
@@ -296,8 +323,9 @@ def tile(kind: str, dtype: torch.dtype, hidden: int, device_target: str, *, top_
     """Sub-block rows and feature-tile width for a kernel of ``kind`` on ``device_target``.
 
     On an NPU the rows are the most the Unified Buffer model allows (:func:`ub_bytes`), which
-    grows with ``top_k`` (the scatter and the token-major gather unroll their top_k slots) and
-    ``num_experts`` (the gather's per-row expert search); other targets ignore both."""
+    grows with ``top_k`` (the scatter and the token-major gather unroll their top_k slots) and, for
+    the kernels an NPU runs only on request (``devices.STORES``), ``num_experts`` (their walks'
+    per-expert vectors); other targets ignore both."""
     if kind not in UB_MODELS:
         raise ValueError(f"unknown kernel kind {kind!r}")
     es = dtype.itemsize  # (not torch.empty(...).element_size(): this runs on every launch)
@@ -387,6 +415,12 @@ def is_atlas_a2(device: torch.device) -> bool:
 MAX_PREP_KEYS = 1024  # experts (or sort keys) the counting sort takes; BLOCK_E up to this
 PREP_TILE_ELEMENTS = {"npu": 4096, "cuda": 4096, "interpreter": 16384}
 PREP_MAX_BLOCK_M = 1024
+# The count (_count, NPU form) compares its block's keys with CHUNK keys at a time, so that its block
+# of items is PREP_TILE_ELEMENTS / CHUNK at every key count (at 256 experts a [BLOCK_M, BLOCK_E] one-hot
+# of 4096 elements had 16 items a block, and the block's own costs grew 32x per item:
+# docs/notes/many-experts.md). 8 float32 keys are one 32-byte UB block; the interpreter's cost is per
+# tile operation, so it takes wider chunks. CUDA keeps its one-hot over every key (None).
+PREP_KEY_CHUNK = {"npu": 8, "cuda": None, "interpreter": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,6 +428,8 @@ class PrepTile:
     block_m: int  # items per block of the walk (a power of two, at least 2: Triton 3.3.1's interpreter
     # cannot scan a block of one)
     num_warps: int = 4  # CUDA only
+    count_block_m: int | None = None  # the count's items per block (NPU form; None: block_m)
+    key_chunk: int | None = None  # the count's keys per compare (NPU form; None: every key at once)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -403,8 +439,18 @@ def prep_tile(num_keys: int, device_target: str) -> PrepTile:
         raise ValueError(f"unknown target {device_target!r}")
     if not 1 <= num_keys <= MAX_PREP_KEYS:
         raise ValueError(f"the routing preparation takes 1 to {MAX_PREP_KEYS} keys, not {num_keys}")
-    block_m = max(PREP_TILE_ELEMENTS[device_target] // block_e(num_keys), 2)
-    return PrepTile(min(block_m, PREP_MAX_BLOCK_M))
+    elements = PREP_TILE_ELEMENTS[device_target]
+    block_m = min(max(elements // block_e(num_keys), 2), PREP_MAX_BLOCK_M)
+    chunk = PREP_KEY_CHUNK[device_target]
+    if chunk is None:
+        return PrepTile(block_m)
+    chunk = min(chunk, block_e(num_keys))
+    return PrepTile(block_m, count_block_m=min(max(elements // chunk, 2), PREP_MAX_BLOCK_M), key_chunk=chunk)
+
+
+def prep_count_tile(tile: PrepTile, block_e_: int) -> tuple[int, int]:
+    """``(BLOCK_M, CHUNK)`` of the count (``_count``) for ``tile`` at ``block_e_`` keys' width."""
+    return tile.count_block_m or tile.block_m, min(tile.key_chunk or block_e_, block_e_)
 
 
 def prep_block_p(programs: int, block_e_: int) -> int:

@@ -46,6 +46,16 @@ variable                           default   meaning
                                              step; a graph capture is refused with an error).
                                              Under ``MEGABLOCKS_BACKEND=cuda`` (upstream's
                                              kernels) always ``exact``.
+``MEGABLOCKS_ASCEND_ROW_LOADS``    ``auto``  How the contiguous-store form's kernels (``_gather``,
+                                             ``_scatter``, ``_wgrad``) load the rows they gather.
+                                             ``masked``: a 2-D tile load whose row offsets come from
+                                             an index vector; ``select``: triton-ascend's
+                                             ``index_select_simd`` builtin (on an NPU; elsewhere its
+                                             documented semantics in plain Triton), where the rows
+                                             are int32-addressed and whole feature tiles.
+                                             ``auto``: the form ``devices.ROW_LOADS`` chose from the
+                                             compile gate's census (docs/notes/many-experts.md).
+                                             For comparing the forms on one device.
 ``MEGABLOCKS_ASCEND_AUTOLOAD``     ``1``     ``0`` turns the autoload off: ``import torch`` then no
                                              longer puts the import hook in place that activates
                                              the plugin just before MegaBlocks or stk execute, and
@@ -76,12 +86,14 @@ CHECKS_VAR = "MEGABLOCKS_ASCEND_CHECKS"
 NUM_PROGRAMS_VAR = "MEGABLOCKS_ASCEND_NUM_PROGRAMS"
 STORES_VAR = "MEGABLOCKS_ASCEND_STORES"
 SPARSE_SIZES_VAR = "MEGABLOCKS_ASCEND_SPARSE_SIZES"
+ROW_LOADS_VAR = "MEGABLOCKS_ASCEND_ROW_LOADS"
 AUTOLOAD_VAR = _autoload.AUTOLOAD_VAR  # parsed there: it is read before this package may be imported
 autoload_enabled = _autoload.enabled
 
 BACKENDS = ("auto", "ascend", "cuda", "torch")
 STORES = ("auto", "contiguous", "scattered")
 SPARSE_SIZES = ("static", "exact")
+ROW_LOADS = ("auto", "masked", "select")
 
 
 _parsed: dict = {}  # (variable, raw value) -> parsed value; invalid values are never stored
@@ -192,6 +204,18 @@ def stores() -> str:
     return _read(STORES_VAR, "auto", _parse_stores)
 
 
+def _parse_row_loads(raw: str) -> str:
+    value = raw.strip().lower() or "auto"
+    if value not in ROW_LOADS:
+        raise ValueError(f"{ROW_LOADS_VAR}={raw!r}: expected one of {', '.join(ROW_LOADS)}")
+    return value
+
+
+def row_loads() -> str:
+    """The value of ``MEGABLOCKS_ASCEND_ROW_LOADS``, validated: ``auto``, ``masked`` or ``select``."""
+    return _read(ROW_LOADS_VAR, "auto", _parse_row_loads)
+
+
 def _parse_sparse_sizes(raw: str) -> str:
     value = raw.strip().lower() or "static"
     if value not in SPARSE_SIZES:
@@ -208,7 +232,7 @@ def invalid() -> list[str]:
     """What is wrong with each variable of this table whose value is invalid, one message each
     (empty when all are valid); each would raise where it is read. ``doctor`` lists them to fix."""
     problems = []
-    for read in (backend, checks_enabled, num_programs_override, stores, sparse_sizes):
+    for read in (backend, checks_enabled, num_programs_override, stores, sparse_sizes, row_loads):
         try:
             read()
         except ValueError as e:

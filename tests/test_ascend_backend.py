@@ -386,7 +386,8 @@ def test_gate_fails_an_oversized_vector_tile_by_the_compilers_error():
     """_scatter (fp32, top_k 2, weights) with 32 rows per sub-block: 4x the launchers' tile. The
     plan does not fit the 192 KiB Unified Buffer even single-buffered: bishengir-compile's error."""
     r = _lower("--only", "_scatter", "--axis", "dtype=fp32", "--axis", "hidden=1024", "--axis", "TOP_K=2",
-               "--axis", "SCALE=true", "--axis", "INT64=false", "--axis", "LAYOUT=0", "--set", "BLOCK_M=32")
+               "--axis", "SCALE=true", "--axis", "INT64=false", "--axis", "LAYOUT=0", "--axis", "SELECT=false",
+               "--set", "BLOCK_M=32")
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "lowered: 0/2"
@@ -458,11 +459,12 @@ def test_gate_fails_the_scatter_that_loads_one_slot_at_a_time():
 @needs_backend
 def test_gate_fails_a_count_whose_one_hot_has_its_items_along_the_last_axis():
     """The preparation's count as it was at 1024 experts (its one-hot ``[BLOCK_E, BLOCK_M]``, 4 items
-    along the last axis: CUDA's form, NPU_FORM=0 set by hand): the compiler loops over the tile's
-    1024 rows with one 4-element compare and one select each, 516 small vector ops per item, which
-    the census fails; the NPU's form (the keys along the last axis) meets the target."""
+    along the last axis: CUDA's form, NPU_FORM=0 and its 4 items a block set by hand): the compiler
+    loops over the tile's 1024 rows with one 4-element compare and one select each, 516 small vector
+    ops per item, which the census fails; the NPU's form (the keys along the last axis, in chunks of
+    8 keys over 512 items a block) meets the target."""
     axes = ("--only", "_count", "--experts", "1024", "--axis", "index=i32")
-    old = _lower(*axes, "--set", "NPU_FORM=false")
+    old = _lower(*axes, "--set", "NPU_FORM=false", "--set", "BLOCK_M=4")
     assert old.returncode == 1, old.stdout + old.stderr
     missed = re.search(r"census: ([0-9.]+) vector ops over fewer than 64 elements per row \(target <= 32\)",
                        old.stdout)

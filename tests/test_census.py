@@ -169,3 +169,43 @@ def test_recorded_census_is_of_todays_kernels():
     digests = {s.name: table.source_digest(s) for s in table.KERNELS}
     stale = sorted({e["kernel"] for e in _record()["census"] if e["digest"] != digests[e["kernel"]]})
     assert not stale, f"kernels changed since the census was recorded: {stale} (tools/ascend_memory_plans.sh records it)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Many experts (issue 33): the routing kernels an NPU runs cost per row at 64 and 256 experts what
+# they cost at EXPERTS, and keep their tiles.
+
+MANY_EXPERTS_FLAGS = 1.25  # set/wait flags per row at many experts, at most this times EXPERTS'
+
+
+def _tile_size(entry) -> int:
+    """The elements of a configuration's work tile: rows x features for the row kernels, the one-hot
+    of the preparation (items x keys: its count compares CHUNK keys at a time, its placement all of
+    them, so the placement's items per block shrink as the keys grow while its tile does not), items
+    for the walks of the maps."""
+    t = entry["tile"]
+    if "BLOCK_X" in t:
+        return t["BLOCK_M"] * t["BLOCK_X"]
+    if entry["kernel"] in ("_count", "_place"):
+        return t["BLOCK_M"] * t.get("CHUNK", t["BLOCK_E"])
+    return t["BLOCK_M"]
+
+
+def test_recorded_census_at_many_experts_matches_eight_experts():
+    """Every configuration the table holds at 64 and 256 experts (KernelSpec.many: _gather, _scatter,
+    _wgrad, the route and row maps, the preparation's count and placement; top_k up to 8) has at most
+    1.25x the set/wait flags per row of the same configuration at EXPERTS, and a tile no smaller."""
+    specs = {s.name for s in table.KERNELS if s.many}
+    entries = [e for e in _record()["census"] if e["kernel"] in specs]
+    at_base = {(e["kernel"], json.dumps(e["axes"], sort_keys=True)): e for e in entries if e["experts"] == table.EXPERTS}
+    compared, worse = set(), []
+    for e in entries:
+        if e["experts"] not in table.MANY_EXPERTS:  # (the record also has 128 and 1024 experts' preparation)
+            continue
+        base = at_base[(e["kernel"], json.dumps(e["axes"], sort_keys=True))]
+        flags, flags8 = e["figures"]["flags"], base["figures"]["flags"]
+        if flags > MANY_EXPERTS_FLAGS * flags8 or _tile_size(e) < _tile_size(base):
+            worse.append((e["kernel"], e["config"], flags, flags8, e["tile"], base["tile"]))
+        compared.add((e["kernel"], e["experts"]))
+    assert not worse, worse[:5]
+    assert compared == {(k, n) for k in specs for n in table.MANY_EXPERTS}

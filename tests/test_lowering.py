@@ -68,9 +68,10 @@ def _index_ptrs(name):
             "_dsd": {"offsets", "indices", "block_offsets"},
             "_dds": {"offsets", "indices", "block_offsets"},
             "_row_indices": {"offsets"},
-            "_gather": {"indices", "bins", "padded_bins"},
+            "_gather": {"indices", "row_pos"},
             "_gather_tokens": {"slot_to_row", "bins", "padded_bins"},
             "_route_map": {"indices", "bins", "padded_bins", "slot_to_row"},
+            "_row_map": {"bins", "padded_bins", "row_pos"},
             "_scatter": {"slot_to_row"},
             "_scatter_one": {"indices", "bins", "padded_bins"},
             "_wgrad": {"slot_to_row"},
@@ -85,7 +86,8 @@ def _index_ptrs(name):
 
 def test_table_axes_cover_every_value():
     by_name = {s.name: s for s in table.KERNELS}
-    assert set(by_name["_gather"].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
+    assert set(by_name["_gather"].axes["MAPPED"]) == {False, True}  # dropless; padded and binned
+    assert set(by_name["_row_map"].axes["LAYOUT"]) == {routing.PADDED, routing.BINNED}
     for name in ("_route_map", "_scatter_one", "_wgrad_one", "_gather_tokens"):
         assert set(by_name[name].axes["LAYOUT"]) == {routing.DROPLESS, routing.PADDED, routing.BINNED}
     for spec in table.KERNELS:
@@ -102,14 +104,40 @@ def test_table_axes_cover_every_value():
 
 
 def test_configs_are_the_full_product():
-    cfgs = configs()
+    """The product of each kernel's axes, less the points its launchers cannot produce (``when``: the
+    rows loaded through index_select_simd only with int32 offsets and whole feature tiles)."""
+    cfgs = configs(experts=table.EXPERTS)
     for spec in table.KERNELS:
         n = 1
         for values in spec.axes.values():
             n *= len(values)
         mine = [c for c in cfgs if c.kernel == spec.name]
-        assert len(mine) == n
-        assert len({c.label for c in mine}) == n
+        if spec.when is None:
+            assert len(mine) == n
+        else:
+            assert 0 < len(mine) < n and all(spec.when({**c.axes, **c.constexprs}) for c in mine)
+            assert {c.axes["SELECT"] for c in mine} == {False, True}
+            assert all(not c.axes["SELECT"] for c in mine if c.axes["INT64"] or not c.constexprs["EVEN_X"])
+        assert len({c.label for c in mine}) == len(mine)
+
+
+def test_the_table_adds_configurations_at_many_experts():
+    """The table is the full product at EXPERTS and, for the routing kernels an NPU runs, a few
+    configurations at 64 and 256 experts (and at top_k 8) whose census tests/test_census.py compares
+    with EXPERTS': each has its counterpart at EXPERTS, with the same axes."""
+    table_cfgs = configs()
+    base = {(c.kernel, c.label) for c in configs(experts=table.EXPERTS)}
+    extra = [c for c in table_cfgs if (c.kernel, c.label) not in base]
+    assert len({(c.kernel, c.label) for c in table_cfgs}) == len(table_cfgs)
+    many = {s.name for s in table.KERNELS if s.many}
+    assert many == {"_gather", "_route_map", "_row_map", "_scatter", "_wgrad", "_count", "_place"}
+    assert {c.kernel for c in extra} == many
+    assert {c.experts for c in extra} == {table.EXPERTS, *table.MANY_EXPERTS}
+    at_base = {(c.kernel, tuple(sorted(c.axes.items()))) for c in table_cfgs if c.experts == table.EXPERTS}
+    for c in extra:
+        assert c.experts == table.EXPERTS or (c.kernel, tuple(sorted(c.axes.items()))) in at_base, c.label
+        assert c.experts == table.EXPERTS or f"E={c.experts}" in c.label
+    assert any(c.axes.get("TOP_K") == 8 for c in extra if c.kernel == "_scatter")
 
 
 class _Recorder:
@@ -173,8 +201,11 @@ def _launcher_calls(monkeypatch, int64):
 
 
 @pytest.mark.parametrize("int64", [False, True])
-def test_table_covers_every_launch(monkeypatch, int64):
-    """Every constexpr combination the launchers produce (on an NPU's tiles) is in the table."""
+@pytest.mark.parametrize("loads", ["auto", "select"])
+def test_table_covers_every_launch(monkeypatch, int64, loads):
+    """Every constexpr combination the launchers produce (on an NPU's tiles) is in the table, with the
+    gathered rows loaded as ``devices.ROW_LOADS`` chose and through index_select_simd."""
+    monkeypatch.setenv("MEGABLOCKS_ASCEND_ROW_LOADS", loads)
     gated = {}
     for cfg in configs():
         key = (cfg.kernel, cfg.axes.get("dtype"), cfg.axes.get("hidden"))
@@ -186,8 +217,8 @@ def test_table_covers_every_launch(monkeypatch, int64):
             names = _constexpr_names(spec)
             assert names <= set(kwargs), f"{kernel}: launcher passes {sorted(kwargs)}"
             launched = {k: kwargs[k] for k in names}
-            if kernel == "_route_map" and launched["BLOCK_M"] == 64:
-                # route_map's default for CPU tensors (a launcher called it without block_m here);
+            if kernel in ("_route_map", "_row_map") and launched["BLOCK_M"] == 64:
+                # route_map's and row_map's default for CPU tensors (a launcher called them without block_m);
                 # on a device it is ROUTE_MAP_BLOCK_M
                 launched["BLOCK_M"] = table.ROUTE_MAP_BLOCK_M
             if "BLOCK_E" in launched:
@@ -205,6 +236,7 @@ def test_preparation_table_covers_every_launch(monkeypatch):
     calls = []
     for spec in table.PREPARATION_KERNELS:
         monkeypatch.setattr(preparation, spec.name, _Recorder(spec.name, calls))
+    monkeypatch.setattr(routing, "_row_map", _Recorder("_row_map", []))  # (the row map's launch: a routing kernel)
     experts = table.EXPERTS
     tile = devices.prep_tile(experts, "npu")
     n = table.PREP_PROGRAMS * tile.block_m * 3  # every program gets work

@@ -225,13 +225,20 @@ def test_reruns_are_bit_identical():
     assert_same(a, b)
 
 
-def test_two_launches(monkeypatch):
+@pytest.mark.parametrize("route, npu_form, want", [
+    (routing.DROPLESS, True, ["_count", "_place"]), (routing.PADDED, False, ["_count", "_place"]),
+    (routing.PADDED, True, ["_count", "_place", "_row_map"]), (routing.BINNED, True, ["_count", "_place", "_row_map"]),
+])
+def test_two_launches(monkeypatch, route, npu_form, want):
+    """Two launches, and in the NPU form a third for the padded and binned layouts' row map (the
+    buffer-row-major gather's: tests/test_many_experts.py)."""
     launched = []
     for name in ("_count", "_place"):
         real = getattr(preparation, name)
         monkeypatch.setattr(preparation, name, _Recording(real, name, launched))
-    preparation.prepare_routing(_ids(10, 2, 4), 4, 4, routing.PADDED)
-    assert launched == ["_count", "_place"]
+    monkeypatch.setattr(routing, "_row_map", _Recording(routing._row_map, "_row_map", launched))
+    preparation.prepare_routing(_ids(10, 2, 4), 4, 4 if route == routing.PADDED else 0, route, 5, npu_form=npu_form)
+    assert launched == want
 
 
 class _Recording:

@@ -208,7 +208,7 @@ def test_ascend_toolchain_without_npu_runs_doctor_and_lower_with_megablocks_inst
     assert "triton-driverless          1 target(s) replaced" in text
     assert "routing-kernels            9 target(s) replaced" in text
 
-    lower = subprocess.run([str(python), "-m", "megablocks_ascend", "lower", "--only", "_route_map"],
+    lower = subprocess.run([str(python), "-m", "megablocks_ascend", "lower", "--only", "_route_map", "--experts", "8"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert lower.returncode == 0, lower.stdout + lower.stderr
     assert lower.stdout.splitlines()[-1] == "lowered: 3/3"

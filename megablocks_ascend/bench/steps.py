@@ -10,10 +10,16 @@ A variant is one value of each field below; the default set is the product of th
 ==========  ================================================  =====================
 field       values                                            default
 ==========  ================================================  =====================
-config      ``ds64`` H=2048 ffn=1408 E=64 top_k=6             all four
+config      ``ds64`` H=2048 ffn=1408 E=64 top_k=6             all seven
             ``qw128`` H=2048 ffn=768 E=128 top_k=8
             ``mixtral`` H=4096 ffn=14336 E=8 top_k=2
             ``small`` H=4096 ffn=1792 E=8 top_k=2 (host-bound)
+            ``dsv3`` H=7168 ffn=2048 E=256 top_k=8
+            (DeepSeek-V3's layer: 15 GB of bf16
+            expert weights)
+            ``qw3`` H=4096 ffn=1536 E=128 top_k=8
+            (Qwen3-235B's layer)
+            ``e256`` H=2048 ffn=1024 E=256 top_k=8
             (T=8192 tokens each)
 layer       ``dMoE`` (dropless), ``MoE`` (capacity factor 1)   both
 backend     ``ascend`` (ours), ``cuda`` (upstream's kernels),  ascend, cuda
@@ -72,14 +78,23 @@ not work) is an error row with the exception, and the run goes on. Per row:
                upstream refuses the sparse MLP with Triton >= 3.2) divided by this row's: > 1 is faster;
 ``vs grp``     sparse rows: the grouped step's wall time (same backend, mode, config) divided by
                this row's: > 1 is faster;
+``peak MiB``   the most memory allocated on the device while the variant was built and ran its first
+               steps (a graph's capture included), above what was allocated before: one step's
+               activations, gradients and workspaces; ``mem`` = this row's peak over upstream's
+               (``cuda`` backend, the same mode where it ran, else eager; for ``sparse`` rows
+               upstream's grouped step): < 1 takes less;
 ``err``        largest relative (L2) error of the step's output and every gradient against
                upstream's eager step (sparse rows: upstream's grouped step on the same parameters),
                and ``self`` against this backend's eager step; a row whose error is above ``TOL`` is
-               marked FAIL and not timed. A graph row whose backend's eager step syncs is an error
-               row, not captured (a failed capture can break every later step of the process).
+               marked FAIL and not timed. Computed in float64 a chunk at a time
+               (``precision.rel_l2``); the results compared with later rows are kept on the host
+               when they exceed ``Settings.host_snapshot_bytes`` (a DeepSeek-V3 layer's gradients
+               are 15 GB in bf16). A graph row whose backend's eager step syncs is an error row, not
+               captured (a failed capture can break every later step of the process).
 
 The layers of one (config, layer, precision, mlp_impl) share their parameters across backends
-and modes, so every row computes the same step from the same values.
+and modes, so every row computes the same step from the same values. One layer lives at a time:
+a family's layer, inputs and kept results are released before the next family's are built.
 
     python benchmarks/bench_steps.py                       # default set (H200: a few minutes)
     python benchmarks/bench_steps.py --only mode=compile,compile-ro --only config=qw128
@@ -94,6 +109,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import os
 import re
@@ -115,6 +131,11 @@ CONFIGS = {
     "qw128": dict(H=2048, ffn=768, E=128, k=8),
     "mixtral": dict(H=4096, ffn=14336, E=8, k=2),
     "small": dict(H=4096, ffn=1792, E=8, k=2),
+    # Today's fine-grained MoE layers (issue 33): DeepSeek-V3, Qwen3-235B, and 256 experts at a
+    # smaller hidden size.
+    "dsv3": dict(H=7168, ffn=2048, E=256, k=8),
+    "qw3": dict(H=4096, ffn=1536, E=128, k=8),
+    "e256": dict(H=2048, ffn=1024, E=256, k=8),
 }
 QUICK_TOKENS = 32
 QUICK_CONFIGS = {"tiny": dict(H=64, ffn=128, E=4, k=2), "tiny16": dict(H=32, ffn=64, E=16, k=4)}
@@ -253,14 +274,29 @@ class Case:
 
 
 def rel_err(got, want) -> float:
+    """The largest relative L2 error of ``got``'s tensors against ``want``'s (chunked: no whole-tensor
+    float64 or float32 copy; either side may be kept on the host, :func:`snapshot`)."""
     worst = 0.0
     for a, b in zip(got, want):
         if a is None or b is None:
             if (a is None) != (b is None):
                 return float("inf")
             continue
-        worst = max(worst, rel_l2(a.detach().float(), b.detach().float()))
+        worst = max(worst, rel_l2(a, b))
     return worst
+
+
+HOST_SNAPSHOT_BYTES = 8 << 30  # results kept for later comparison larger than this go to the host
+
+
+def snapshot(tensors, limit: int = HOST_SNAPSHOT_BYTES) -> list:
+    """Copies of a step's results, kept to compare later rows with: on their device, or on the host
+    when together they take more than ``limit`` bytes (DeepSeek-V3's layer: 15 GB of weight gradients,
+    which two device copies would add to a step's own 55 GB, its graph's pool included)."""
+    total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    host = total > limit
+    return [None if t is None else (t.detach().to("cpu", copy=True) if host else t.detach().clone())
+            for t in tensors]
 
 
 @contextlib.contextmanager
@@ -446,22 +482,32 @@ def wgrad_fill(name):
         grouped_gemm._legacy_full_fill = old
 
 
-def run_variant(v, case, reference, eager_of_backend, args, device):
+def run_variant(v, case, reference, eager_of_backend, args, device, keep=True):
+    """``(row, kept)``: the variant's row, and (``keep``) a :func:`snapshot` of its first step's
+    results for later rows to compare with (None otherwise)."""
     row = dataclasses.asdict(v)
     with backend_env(v.backend), wgrad_fill(v.wgrad_fill):
+        timing.synchronize(device)
+        resident = timing.memory_allocated(device)
+        timing.reset_peak_memory(device)
         run, results = build(v, case)
         for _ in range(args.warmup):
             run()
         run()
-        got = [t.detach().clone() if t is not None else None for t in results()]
         timing.synchronize(device)
+        peak = timing.peak_memory_allocated(device)
+        if resident is not None and peak is not None:
+            row["peak_mib"] = (peak - resident) / 2**20
+        got = results()
         if reference is not None:
             row["err"] = rel_err(got, reference)
         if eager_of_backend is not None and v.mode != "eager":
-            row["err_self"] = rel_err(got, eager_of_backend)
+            row["err_self"] = row["err"] if eager_of_backend is reference else rel_err(got, eager_of_backend)
         row["ok"] = all(row.get(k, 0.0) <= TOL for k in ("err", "err_self"))
+        kept = snapshot(got, args.host_snapshot_bytes) if keep else None
+        del got
         if not row["ok"]:
-            return row, got
+            return row, kept
         row["wall_ms"], row["host_ms"] = time_steps(run, device, args.steps)
         times = kernel_times(run, device, args.profile_steps)
         row.update(breakdown(times))
@@ -477,12 +523,13 @@ def run_variant(v, case, reference, eager_of_backend, args, device):
                 row["floor_ms"] = row["gemm_ms"] + row["routing_ms"]
                 row["x_floor"] = row["wall_ms"] / row["floor_ms"]
         if v.mode == "eager":
-            row["enqueue_ms"] = enqueue_time(run, device, args.steps)
+            if args.enqueue:
+                row["enqueue_ms"] = enqueue_time(run, device, args.steps)
             row["syncs"] = count_syncs(run, device)
             row["launches"], lines = count_launches(run, device, args.launches_by_line)
             if lines is not None:
                 row["launches_by_line"] = lines
-    return row, got
+    return row, kept
 
 
 def _lead(r):
@@ -497,7 +544,7 @@ def table(rows):
     head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} {'type':4s} "
             f"{'fill':5s} {'wall ms':>8s} {'host ms':>8s} {'enq ms':>7s} {'kern ms':>8s} {'gemm ms':>8s} {'other ms':>8s} "
             f"{'floor ms':>8s} {'x floor':>7s} {'busy':>5s} {'syncs':>5s} {'launch':>6s} {'kernels':>7s} {'vs up':>6s} "
-            f"{'vs grp':>6s} {'err':>8s} {'self':>8s}")
+            f"{'vs grp':>6s} {'peak MiB':>9s} {'mem':>6s} {'err':>8s} {'self':>8s}")
     out = [head]
     for r in rows:
         if "error" in r:
@@ -509,7 +556,8 @@ def table(rows):
                    + " " + f(r, "busy", ".0%", 5) + " " + f(r, "syncs", "d", 5)
                    + " " + f(r, "launches", "d", 6) + " " + f(r, "kernels", ".0f", 7)
                    + " " + f(r, "vs_up", ".2f", 5) + "x " + f(r, "vs_grouped", ".2f", 5) + "x "
-                   + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
+                   + f(r, "peak_mib", ".1f", 9) + " " + f(r, "mem_vs_up", ".3f", 6)
+                   + " " + f(r, "err", ".1e", 8) + " " + f(r, "err_self", ".1e", 8)
                    + ("" if r.get("ok", True) else "  FAIL"))
     return "\n".join(out)
 
@@ -536,18 +584,24 @@ class Settings:
     profile_steps: int = 3
     launches_by_line: bool = False
     ceiling_gbps: float | None = None
+    host_snapshot_bytes: int = HOST_SNAPSHOT_BYTES  # kept results larger than this live on the host
+    enqueue: bool = True  # eager rows: also the host time to enqueue a step onto an idle device
 
 
 def run(variants, device, settings: Settings, reference_backend: str, log, save=None) -> list[dict]:
     """Every variant's row. The variants of one family share one :class:`Case`; the reference
     (``reference_backend``'s eager step) runs first, then each backend's eager step (run for the
     ``self`` check even where not asked for: those rows say ``reference_only``), then the rest. A
-    variant that fails is an error row, and the run goes on. ``save(rows)`` is called after each
-    family; ``vs_up`` (the reference's eager wall over each row's) is filled in at the end."""
+    variant that fails is an error row, and the run goes on. One family's layer lives at a time: its
+    case and kept results are released before the next is built. ``save(rows)`` is called after
+    each family; ``vs_up`` (the reference's eager wall over each row's) and ``mem_vs_up`` (each row's
+    peak memory over the reference backend's in the same mode) are filled in at the end. Each family
+    and row logs a progress line with the seconds it took."""
     rows = []
     default_fill = variants[0].wgrad_fill if variants else "empty"
     families = {}
-    for v in sorted(variants, key=lambda v: v.mlp_impl != "grouped"):  # grouped first: sparse shares its reference
+    # Each sparse family right after its grouped one, whose reference it shares (kept no longer than that).
+    for v in sorted(variants, key=lambda v: (v.config, v.layer, v.precision, v.mlp_type, v.mlp_impl != "grouped")):
         families.setdefault(v.family, []).append(v)
     grouped_refs = {}  # (config, layer, precision, mlp_type) -> the grouped family's reference results
     for family, members in families.items():
@@ -556,13 +610,21 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
             keep_ref = (family[:3], family[4])
         else:
             keep_ref = None
+        t0 = time.perf_counter()
+        c = settings.configs[family[0]]
+        log(f"  [{family[0]} {family[1]}] building the layer: H={c['H']} ffn={c['ffn']} E={c['E']} top_k={c['k']}, "
+            f"{settings.tokens} tokens ...")
         try:
             case = Case(family, device, settings.tokens, settings.configs)
         except Exception as e:  # noqa: BLE001
             for v in members:
                 rows.append(dict(dataclasses.asdict(v), error=f"{type(e).__name__}: {e}"))
                 log(f"  {v.name():55s} ERROR {type(e).__name__}: {str(e)[:160]}")
+            timing.empty_cache(device)
             continue
+        log(f"  [{family[0]} {family[1]}] {sum(p.numel() for p in case.params):,} parameters "
+            f"({sum(p.numel() * p.element_size() for p in case.params) / 2**30:.2f} GiB), built in "
+            f"{time.perf_counter() - t0:.1f} s")
 
         def eager_of(backend):
             return Variant(family[0], family[1], backend, "eager", family[2], family[3], family[4], default_fill)
@@ -571,16 +633,19 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         ref_v = None if sparse else eager_of(reference_backend)
         needed = set(members) | ({ref_v} if ref_v else set()) | {eager_of(v.backend) for v in members}
         order = sorted(needed, key=lambda v: (v != ref_v, v.mode != "eager", v.backend, v.mode))
+        self_checked = {v.backend for v in needed if v.mode != "eager"}  # whose eager results later rows need
         reference, eager = (grouped_refs.pop((family[:3], family[4]), None) if sparse else None), {}
         syncs = {}  # backend -> host syncs of its eager step
         for v in order:
+            tv = time.perf_counter()
+            keep = v == ref_v or (v.mode == "eager" and v.wgrad_fill == default_fill and v.backend in self_checked)
             try:
                 if v.mode in ("graph", "compile-ro") and syncs.get(v.backend):
                     # A capture of a step that reads the device on the host fails and can leave the
                     # process unable to run later steps (on CUDA the RNG stays in capture state): refuse.
                     raise RuntimeError(f"not captured: the eager step syncs the host {syncs[v.backend]} times "
                                        "(torch.cuda.set_sync_debug_mode), which a graph capture cannot hold")
-                row, got = run_variant(v, case, reference, eager.get(v.backend), settings, device)
+                row, got = run_variant(v, case, reference, eager.get(v.backend), settings, device, keep=keep)
             except Exception as e:  # noqa: BLE001
                 row = dict(dataclasses.asdict(v), error=f"{type(e).__name__}: {str(e)[:500]}",
                            trace=traceback.format_exc(limit=4)[-1500:])
@@ -595,12 +660,16 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
                 eager[v.backend] = got
                 syncs[v.backend] = row.get("syncs")
             rows.append(row)
+            peak = f"  peak {row['peak_mib']:9.1f} MiB" if row.get("peak_mib") is not None else ""
             log(f"  {v.name():55s} " + (f"ERROR {row['error'][:160]}" if "error" in row else
                                         f"wall {row.get('wall_ms', float('nan')):8.3f} ms  err {row.get('err', 0):.1e}"
-                                        + ("" if row["ok"] else "  FAIL")))
+                                        + peak + ("" if row["ok"] else "  FAIL"))
+                + f"  ({time.perf_counter() - tv:.1f} s)")
             timing.synchronize(device)
-        del case
+        del case, reference, eager, got
+        gc.collect()
         timing.empty_cache(device)
+        log(f"  [{family[0]} {family[1]}] done in {time.perf_counter() - t0:.1f} s")
         if save is not None:
             save(rows)
 
@@ -610,6 +679,8 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
                 and r["mode"] == "eager" and r["wgrad_fill"] == default_fill and r.get("wall_ms")}
     grouped = {key(r) + (r["backend"], r["mode"]): r["wall_ms"] for r in rows if r["mlp_impl"] == "grouped"
                and r["wgrad_fill"] == default_fill and r.get("wall_ms")}
+    peaks = {key(r) + (r["mode"],): r["peak_mib"] for r in rows if r["backend"] == reference_backend
+             and r["wgrad_fill"] == default_fill and r.get("peak_mib")}
     for r in rows:
         base = upstream.get(key(r, "grouped" if r["mlp_impl"] == "sparse" else None))  # upstream has no sparse step
         if base and r.get("wall_ms"):
@@ -617,6 +688,10 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         same = grouped.get(key(r, "grouped") + (r["backend"], r["mode"]))
         if r["mlp_impl"] == "sparse" and same and r.get("wall_ms"):
             r["vs_grouped"] = same / r["wall_ms"]  # > 1: the sparse step is faster than the grouped one
+        up = key(r, "grouped" if r["mlp_impl"] == "sparse" else None)
+        mem = peaks.get(up + (r["mode"],)) or peaks.get(up + ("eager",))
+        if mem and r.get("peak_mib") is not None:
+            r["mem_vs_up"] = r["peak_mib"] / mem
     return rows
 
 
@@ -661,15 +736,37 @@ def _one_step(layer, x, g):
     return named_results(layer, x, y)
 
 
+# The layer a step's precision verdict runs on (the golden and the simulation are the same step on
+# the CPU, in float32 and in the device dtype): the config's own layer where its expert weights are at
+# most PRECISION_FULL_PARAMS, else one of the same family, with the same experts and top_k and hidden
+# and ffn cut to PRECISION_HIDDEN and PRECISION_FFN (a DeepSeek-V3 layer would take 30 GB and minutes
+# per CPU step). ``bench --precision-full`` asks for the configs' own layers.
+PRECISION_FULL_PARAMS = 1 << 24
+PRECISION_HIDDEN = 512
+PRECISION_FFN = 256
+
+
+def precision_config(c: dict, *, full: bool = False, max_params: int = PRECISION_FULL_PARAMS,
+                     hidden: int = PRECISION_HIDDEN, ffn: int = PRECISION_FFN) -> dict:
+    """The layer (H, ffn, E, k) the precision verdict of config ``c`` runs on (see above). The hidden
+    size stays at least the expert count rounded up to 16 (the decisive router needs a feature per
+    expert)."""
+    if full or 2 * c["E"] * c["H"] * c["ffn"] <= max_params:
+        return dict(c)
+    return dict(c, H=max(min(c["H"], hidden), -(-c["E"] // 16) * 16), ffn=min(c["ffn"], ffn))
+
+
 def precision_verdicts(config: str, layer: str, device: torch.device, tokens: int, configs: dict,
-                       backends_: tuple, dtype: torch.dtype = torch.bfloat16, mlp_impl: str = "grouped") -> dict:
+                       backends_: tuple, dtype: torch.dtype = torch.bfloat16, mlp_impl: str = "grouped", *,
+                       full: bool = False, reduce: dict | None = None) -> dict:
     """``{backend: [Verdict]}``: one ``dtype`` training step of ``layer`` at ``config`` with ``tokens``
     tokens run by each backend on ``device``, its output and every gradient judged against the same
     step on the CPU in float32 (golden) and in ``dtype`` (simulation), both through the ``torch``
     backend, from the same parameters and inputs (:mod:`~megablocks_ascend.bench.precision`; the
-    router made decisive by :func:`decisive_router`)."""
+    router made decisive by :func:`decisive_router`). The layer is :func:`precision_config`'s
+    (``reduce``: its keyword arguments; ``full``: the config's own)."""
     from megablocks_ascend.bench import precision  # noqa: PLC0415
-    c = configs[config]
+    c = precision_config(configs[config], full=full, **(reduce or {}))
     torch.manual_seed(0)
     with backend_env("ascend") if mlp_impl == "sparse" else contextlib.nullcontext():  # (see Case)
         module = build_layer(c, layer, dtype, device, mlp_impl)

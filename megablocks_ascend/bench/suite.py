@@ -11,17 +11,22 @@ On whatever device the machine has (``--device``; default the NPU, else CUDA, el
            ``npu_moe_init_routing_v2`` where their documented semantics match ours (the argument
            mapping and where they do not apply: :mod:`~megablocks_ascend.bench.fused_npu`);
 ``steps``  a MegaBlocks ``dMoE`` and ``MoE`` training step (forward + backward) at named configs,
-           ours against the ``torch`` backend and, on CUDA, upstream's kernels; eager, and captured
-           in a graph where the device has graph capture.
+           ours against upstream's kernels on CUDA and the ``torch`` backend elsewhere; eager, and
+           captured in a graph where the device has graph capture; with each step's peak memory.
 
 Every row is timed with :mod:`~megablocks_ascend.bench.timing` (host launch + device time, and device
 time from graph replay where the device has graph capture) unless the device cannot be timed, in
 which case the row says so and holds no time. Every output and gradient gets the precision verdict
 of :mod:`~megablocks_ascend.bench.precision` (the three ratios against a CPU golden and a CPU
 simulation in the device dtype), on a problem of the same shape with at most ``--precision-tokens``
-tokens. Written to ``--out``: ``NAME.json`` (every row, the verdicts, the environment),
+tokens; a training step's verdict on a layer of the same family (the same experts and top_k) with
+its hidden and ffn sizes cut (:func:`~megablocks_ascend.bench.steps.precision_config`: a DeepSeek-V3
+layer's CPU golden alone would take 30 GB and minutes), or on the config's own layer with
+``--precision-full``. The step rows carry each step's peak memory above resident, ours against
+upstream's. Written to ``--out``: ``NAME.json`` (every row, the verdicts, the environment),
 ``NAME.log`` (the tables) and ``NAME.png`` (ours against the alternatives, per op and per step).
-The exit status is 1 when a check or a verdict fails.
+The exit status is 1 when a check or a verdict fails. Progress lines say what runs and how long each
+section, config and row took; the default run is sized to finish within 5 minutes on an H200 host.
 
 The routing ops and every verdict are in ``--dtype`` (bfloat16; float16 on the CPU, where the
 Triton interpreter converts float32 to bfloat16 by truncation where devices round to nearest: one
@@ -30,7 +35,8 @@ reasons of the interpreter, not of the kernels); the timed steps are bfloat16 ev
 
 Shapes: ``--quick`` the tiny ``quick`` problem and the ``tiny`` / ``tiny16`` step configs (the CPU
 smoke test of CI); otherwise the routing benchmark's ``mixtral``, ``fine``, ``small`` and the step
-harness's ``ds64``, ``qw128``, ``mixtral``, ``small``.
+harness's ``ds64``, ``qw128``, ``mixtral``, ``small``, ``dsv3`` (DeepSeek-V3), ``qw3`` (Qwen3-235B) and
+``e256``.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ class Plan:
     dtype: torch.dtype = torch.bfloat16
     precision_configs: tuple | None = None  # the step configs judged (None: every one)
     sections: tuple = ("ops", "prep", "fused", "steps")
+    warmup: int = 2  # untimed steps before a step row's first checked one
+    profile_steps: int = 1  # steps profiled for a step row's kernel count (CUDA)
+    precision_full: bool = False  # the step verdicts on the configs' own layers, not reduced ones
+    precision_reduce: dict = dataclasses.field(default_factory=dict)  # steps.precision_config's limits
 
     @property
     def kind(self) -> str:
@@ -89,9 +99,11 @@ def plan_for(device: torch.device, quick: bool, shapes=None, configs=None, secti
     return Plan(device, device, pick(shape_table, shapes), pick(config_table, configs),
                 tokens=steps.QUICK_TOKENS if quick else steps.TOKENS,
                 precision_tokens=64 if quick else 2048, step_tokens_precision=32 if quick else 256, quick=quick,
-                repeats=1 if quick else 3, steps=3 if quick else 20,
+                repeats=1 if quick else 3, steps=3 if quick else 10, warmup=1 if quick else 2, profile_steps=1,
                 sections=tuple(sections) if sections else Plan.sections,
-                dtype=torch.float16 if device.type == "cpu" else torch.bfloat16)
+                dtype=torch.float16 if device.type == "cpu" else torch.bfloat16,
+                # the quick configs' verdicts go through the reduced layers too (the path large ones take)
+                precision_reduce=dict(max_params=1 << 15, hidden=32, ffn=32) if quick else {})
 
 
 def alternatives(kind: str) -> tuple[str, ...]:
@@ -256,43 +268,76 @@ def fused_section(plan: Plan, log, tnpu=None) -> tuple[list[dict], dict]:
     return rows, info
 
 
+def step_backends(kind: str) -> tuple[str, ...]:
+    """The backends whose steps are judged on a device kind: ours and each alternative's."""
+    return ("ascend",) + tuple(b for impl, b in (("torch", "torch"), ("upstream", "cuda")) if impl in alternatives(kind))
+
+
+def step_variants(plan: Plan, graph: bool) -> list:
+    """The step rows timed (:data:`STEP_LAYERS`): ours and each alternative, eager and (``graph``) captured, except the
+    ``torch`` backend where upstream's kernels are there (CUDA): its whole step is what the precision
+    verdicts compare with, and timing it at DeepSeek-V3's size would take a fifth of the run; it is
+    not captured anywhere (its boolean indexing syncs)."""
+    names = step_backends(plan.kind)
+    timed = tuple(b for b in names if not (b == "torch" and "cuda" in names))
+    modes = ("eager", "graph") if graph else ("eager",)
+    return [steps.Variant(c, layer, b, mode, "bf16", impl, "mlp", "empty")
+            for c in plan.configs for layer, impl in STEP_LAYERS for b in timed for mode in modes
+            if not (mode == "graph" and b == "torch")
+            and not (impl == "sparse" and (b == "cuda" or plan.configs[c]["ffn"] % 128))]
+
+
+# The layers of the steps section: the grouped dMoE, the sparse one (MegaBlocks' default mlp_impl;
+# ours only: upstream refuses it with Triton >= 3.2; its ffn must be a multiple of its 128-wide
+# blocks) and MoE.
+STEP_LAYERS = (("dMoE", "grouped"), ("dMoE", "sparse"), ("MoE", "grouped"))
+
+
 def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
-    """A ``dMoE`` and a ``MoE`` training step per config: ours against the ``torch`` backend (and
-    upstream's kernels on CUDA), eager and, where the device has graph capture, captured; each
-    backend's step judged by :func:`~megablocks_ascend.bench.steps.precision_verdicts`."""
+    """A ``dMoE`` and a ``MoE`` training step per config, timed: ours against upstream's kernels on
+    CUDA, against the ``torch`` backend elsewhere, eager and, where the device has graph capture,
+    captured; each backend's step (the ``torch`` backend's too) judged by
+    :func:`~megablocks_ascend.bench.steps.precision_verdicts`."""
     kind = plan.kind
-    names = ("ascend",) + tuple(b for impl, b in (("torch", "torch"), ("upstream", "cuda"))
-                                if impl in alternatives(kind))
+    names = step_backends(kind)
     graph_api, _ = timing.graph_api(plan.timing_device)
-    modes = ("eager", "graph") if graph_api is not None else ("eager",)
-    variants = [steps.Variant(c, layer, b, mode, "bf16", impl, "mlp", "empty")
-                for c in plan.configs for layer, impl in (("dMoE", "grouped"), ("dMoE", "sparse"), ("MoE", "grouped"))
-                for b in names for mode in modes
-                if not (mode == "graph" and b == "torch")  # (the reference's boolean indexing syncs)
-                and not (impl == "sparse" and (b == "cuda" or plan.configs[c]["ffn"] % 128))]
-    # (the sparse dMoE: MegaBlocks' default mlp_impl; upstream refuses it with Triton >= 3.2, and its
-    # ffn must be a multiple of its 128-wide blocks)
-    settings = steps.Settings(configs=plan.configs, tokens=plan.tokens, steps=plan.steps,
-                              warmup=1 if plan.quick else 3, ceiling_gbps=ceiling)
+    variants = step_variants(plan, graph=graph_api is not None)
+    settings = steps.Settings(configs=plan.configs, tokens=plan.tokens, steps=plan.steps, warmup=plan.warmup,
+                              profile_steps=plan.profile_steps, ceiling_gbps=ceiling, enqueue=False)
     reference = "cuda" if kind == "cuda" else "torch"
+    t0 = time.perf_counter()
     if not timing.timer(plan.timing_device).timed:
         raw = []
         for v in variants:
             raw.append(dict(dataclasses.asdict(v), ok=True, not_timed=timing.timer(plan.timing_device).how))
     else:
+        log(f"[steps] {len(variants)} step rows over {len(plan.configs)} configs ({', '.join(plan.configs)}), "
+            f"{plan.tokens} tokens, {plan.steps} timed steps each")
         raw = steps.run(variants, plan.tensor_device, settings, reference, log)
-    verdicts = {}
+        log(f"[steps] timed in {time.perf_counter() - t0:.1f} s")
+    verdicts, judged_on = {}, {}
+    t1 = time.perf_counter()
+    tokens = min(plan.tokens, plan.step_tokens_precision)
     for c in plan.configs if plan.precision_configs is None else [c for c in plan.configs
                                                                   if c in plan.precision_configs]:
-        for layer, impl in (("dMoE", "grouped"), ("dMoE", "sparse"), ("MoE", "grouped")):
-            if impl == "sparse" and plan.configs[c]["ffn"] % 128:
+        on = steps.precision_config(plan.configs[c], full=plan.precision_full, **plan.precision_reduce)
+        judged_on[c] = dict(on, T=tokens, reduced=on != plan.configs[c])
+        for layer, impl in STEP_LAYERS:
+            if impl == "sparse" and (plan.configs[c]["ffn"] % 128 or on["ffn"] % 128):
                 continue
+            tv = time.perf_counter()
             try:
                 verdicts[(c, layer, impl)] = steps.precision_verdicts(
-                    c, layer, plan.tensor_device, min(plan.tokens, plan.step_tokens_precision), plan.configs,
-                    tuple(b for b in names if impl == "grouped" or b != "cuda"), plan.dtype, impl)
+                    c, layer, plan.tensor_device, tokens, plan.configs,
+                    tuple(b for b in names if impl == "grouped" or b != "cuda"), plan.dtype, impl,
+                    full=plan.precision_full, reduce=plan.precision_reduce)
             except Exception as e:  # noqa: BLE001
                 verdicts[(c, layer, impl)] = e
+            what = ("a reduced layer of its family" if judged_on[c]["reduced"] else "its own layer")
+            log(f"[steps] precision {c} {layer} {impl}: {what}, H={on['H']} ffn={on['ffn']} E={on['E']} "
+                f"top_k={on['k']}, {tokens} tokens ({time.perf_counter() - tv:.1f} s)")
+    if verdicts:
+        log(f"[steps] precision verdicts in {time.perf_counter() - t1:.1f} s")
     rows = []
     for r in raw:
         if r.get("reference_only") and r["backend"] not in names:
@@ -301,6 +346,7 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
         row = dict(section="steps", case=r["config"], item=f"{layer} {r['mode']}",
                    impl=IMPL_OF_BACKEND[r["backend"]], ms=r.get("wall_ms"), graph_ms=None,
                    host_ms=r.get("host_ms"), kernels=r.get("kernels"), launches=r.get("launches"),
+                   peak_mib=r.get("peak_mib"), mem_vs_upstream=r.get("mem_vs_up"),
                    check_ok=r.get("ok", False) and "error" not in r, err_vs_reference=r.get("err"))
         if "error" in r:
             row["error"] = r["error"]
@@ -312,6 +358,7 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
         elif v is not None and r["mode"] == "eager":
             row["precision"] = [x.as_dict() for x in v[r["backend"]]]
             row["precision_ok"] = precision.all_ok(v[r["backend"]])
+            row["precision_layer"] = judged_on[r["config"]]
         rows.append(row)
     return rows
 
@@ -323,7 +370,7 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
 def table(rows: list[dict]) -> str:
     f = report.fmt
     head = (f"{'section':7s} {'case':8s} {'item':28s} {'impl':24s} {'ms':>9s} {'GB/s':>6s} {'ceil':>6s} "
-            f"{'graph ms':>9s} {'ceil':>6s} {'x':>7s}  check precision")
+            f"{'graph ms':>9s} {'ceil':>6s} {'x':>7s} {'peak MiB':>9s} {'mem':>6s}  check precision")
     out = [head]
     for r in rows:
         lead = f"{r['section']:7s} {r['case'][:8]:8s} {r['item'][:28]:28s} {r['impl'][:24]:24s} "
@@ -334,7 +381,8 @@ def table(rows: list[dict]) -> str:
         verdict = r.get("precision_ok")
         out.append(lead + f(r.get("ms"), ".4f", 9) + " " + f(r.get("GBps"), ".0f", 6) + " "
                    + f(r.get("frac_ceiling"), ".1%", 6) + " " + f(r.get("graph_ms"), ".4f", 9) + " "
-                   + f(r.get("graph_frac_ceiling"), ".1%", 6) + " " + f(r.get("x"), ".2f", 6) + "x  "
+                   + f(r.get("graph_frac_ceiling"), ".1%", 6) + " " + f(r.get("x"), ".2f", 6) + "x "
+                   + f(r.get("peak_mib"), ".1f", 9) + " " + f(r.get("mem_vs_upstream"), ".3f", 6) + "  "
                    + ("-    " if check is None else "ok   " if check else "FAIL ")
                    + ("-" if verdict is None else "ok" if verdict else "FAIL")
                    + (f"  ({r['why']})" if r.get("why") else ""))
@@ -405,22 +453,40 @@ def run(plan: Plan, out_dir: Path, name: str, plot_png: bool = True, log=None, l
         log(f"copy ceiling: not measured ({t.how})")
     rows = []
     save = lambda: report.write_json(out_dir / f"{name}.json", results)  # noqa: E731
+    results["section_seconds"] = took = {}
+
+    def section(label, what):
+        log(f"[{label}] {what} ... (at {time.perf_counter() - t0:.0f} s)")
+        return time.perf_counter()
+
+    def done(label, since):
+        took[label] = time.perf_counter() - since
+        log(f"[{label}] done in {took[label]:.1f} s (at {time.perf_counter() - t0:.0f} s)")
+
     if "ops" in plan.sections:
+        ts = section("ops", f"{len(routing_ops.OPS)} routing ops x {len(plan.shapes)} shapes ({', '.join(plan.shapes)})")
         rows += ops_section(plan, ceiling, log)
         results["rows"] = rows
+        done("ops", ts)
         save()
     if "prep" in plan.sections:
+        ts = section("prep", f"the routing preparation x {len(plan.shapes)} shapes")
         rows += prep_section(plan, log)
+        done("prep", ts)
         save()
     if "fused" in plan.sections and plan.kind == "npu":
+        ts = section("fused", "torch_npu's fused MoE ops")
         fused_rows, results["fused"] = fused_section(plan, log, tnpu)
         rows += fused_rows
+        done("fused", ts)
         save()
     else:
         results["fused"] = {"not_run": f"torch_npu's fused MoE ops are compared on an NPU only (this is {plan.kind})",
                             "not_applicable": fused_npu.NOT_APPLICABLE}
     if "steps" in plan.sections:
+        ts = section("steps", f"MoE and dMoE training steps x {len(plan.configs)} configs ({', '.join(plan.configs)})")
         rows += steps_section(plan, ceiling, log)
+        done("steps", ts)
     _ratios(rows)
     results["rows"] = rows
     results["summary"] = summary(rows)
@@ -471,12 +537,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=None, help="comma-separated step configs (default: all)")
     parser.add_argument("--sections", default=None, help="comma-separated subset of ops,prep,fused,steps")
     parser.add_argument("--repeats", type=int, default=None, help="do_bench medians per time (default 3; 1 quick)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per step row (default 20; 3 quick)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per step row (default 10; 3 quick)")
     parser.add_argument("--precision-tokens", type=int, default=None,
                         help="tokens of the routing-op precision problems (default 2048; 64 quick)")
     parser.add_argument("--precision-configs", default=None,
                         help="comma-separated step configs whose step gets the precision verdict (default: all; "
                              "each costs a float32 and a low-precision step of the layer on the CPU)")
+    parser.add_argument("--precision-full", action="store_true",
+                        help="judge each step config's own layer (default: large configs are judged on a layer of "
+                             "the same experts and top_k with hidden and ffn cut to "
+                             f"{steps.PRECISION_HIDDEN} and {steps.PRECISION_FFN}; a DeepSeek-V3 layer's CPU "
+                             "golden alone takes about 30 GB)")
     parser.add_argument("--out", default=report.default_out(), help="directory for NAME.json, NAME.log, NAME.png "
                         "(default: $OUT if set, else ./bench-results, which git ignores)")
     parser.add_argument("--name", default="bench")
@@ -507,6 +578,7 @@ def main(args: argparse.Namespace) -> int:
         plan.precision_configs = tuple(split(args.precision_configs) or ())
     if args.precision_tokens:
         plan.precision_tokens = args.precision_tokens
+    plan.precision_full = bool(getattr(args, "precision_full", False))
     if device.type == "cpu" and not args.quick:
         print("bench: on the CPU the Triton interpreter runs every kernel; without --quick this takes long")
     results = run(plan, Path(args.out), args.name, plot_png=not args.no_plot)

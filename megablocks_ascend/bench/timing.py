@@ -109,6 +109,26 @@ def empty_cache(device: torch.device) -> None:
         module(device).empty_cache()
 
 
+def memory_allocated(device: torch.device) -> int | None:
+    """Bytes the caching allocator has handed out on ``device`` now (None on the CPU, or where the
+    device module cannot say)."""
+    fn = getattr(module(device), "memory_allocated", None)
+    return None if device.type == "cpu" or fn is None else int(fn(device))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for :func:`peak_memory_allocated` on ``device`` (nothing on the CPU)."""
+    fn = getattr(module(device), "reset_peak_memory_stats", None)
+    if device.type != "cpu" and fn is not None:
+        fn(device)
+
+
+def peak_memory_allocated(device: torch.device) -> int | None:
+    """The most bytes allocated on ``device`` since :func:`reset_peak_memory` (None on the CPU)."""
+    fn = getattr(module(device), "max_memory_allocated", None)
+    return None if device.type == "cpu" or fn is None else int(fn(device))
+
+
 def event(device: torch.device):
     """A timing event on ``device``: ``torch.Event`` where the installed torch has it, else the
     device module's ``Event``."""

@@ -163,22 +163,44 @@ def _chunk(pid, chunk, num_items):
 def _count(
     keys, counts,
     num_items, num_keys, key_mask, chunk, table_rows,
-    NPU_FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    NPU_FORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
     e = tl.arange(0, BLOCK_E)
-    e_f = e.to(tl.float32)
     begin, end = _chunk(pid, chunk, num_items)
-    acc = tl.zeros((BLOCK_E,), tl.int32)
     bad = tl.zeros((BLOCK_M,), tl.int32)
-    for m0 in range(begin, end, BLOCK_M):
-        items = m0 + m
-        inside = items < end
-        _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
-        acc += _tally(_hit(key, valid, e_f, NPU_FORM), NPU_FORM)
-        bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
+    if NPU_FORM:
+        # The keys in chunks of CHUNK: a [BLOCK_M, CHUNK] one-hot per chunk, its tally added to row c
+        # of a [BLOCK_E / CHUNK, CHUNK] table. The block of items is the same at every key count, so
+        # its per-block costs (the keys' load and its handshakes) do not grow per item with the
+        # experts (a [BLOCK_M, BLOCK_E] one-hot of 4096 elements took 16 items a block at 256
+        # experts: docs/notes/many-experts.md). The table's chunk numbers are a whole tile (no
+        # compare broadcast along an axis: see _below).
+        cc = tl.arange(0, CHUNK)
+        rows_f = (tl.arange(0, BLOCK_E // CHUNK)[:, None] + cc[None, :] * 0).to(tl.float32)
+        table = tl.zeros((BLOCK_E // CHUNK, CHUNK), tl.float32)
+        for m0 in range(begin, end, BLOCK_M):
+            items = m0 + m
+            inside = items < end
+            _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
+            k = tl.where(valid, key, -1).to(tl.float32)
+            for c in range(0, BLOCK_E // CHUNK):
+                keys_c = (c * CHUNK + cc).to(tl.float32)
+                tally = tl.sum(tl.where(k[:, None] == keys_c[None, :], 1.0, 0.0), axis=0)
+                table += tl.where(rows_f == c, tally[None, :], 0.0)
+            bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
+        acc = tl.reshape(table, (BLOCK_E,)).to(tl.int32)
+    else:
+        e_f = e.to(tl.float32)
+        acc = tl.zeros((BLOCK_E,), tl.int32)
+        for m0 in range(begin, end, BLOCK_M):
+            items = m0 + m
+            inside = items < end
+            _, key, valid = _keys(keys, items, inside, num_keys, key_mask)
+            acc += _tally(_hit(key, valid, e_f, NPU_FORM), NPU_FORM)
+            bad += inside.to(tl.int32) - valid.to(tl.int32)  # (valid implies inside)
     tl.store(counts + pid * BLOCK_E + e, acc)
     tl.store(counts + table_rows * BLOCK_E + pid, tl.sum(bad, axis=0))
 
@@ -294,9 +316,11 @@ def _grid(device, n: int, block_m: int, num_programs):
 
 def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=None, block=0, route=NO_ROUTE,
             capacity=0, tile=None, num_programs=None, npu_form=None):
-    """Both launches over the flat ``keys``; returns ``(tokens_per_expert, bins, padded_bins, slot_to_row)``
-    and, unless ``place`` is ``HISTOGRAM``, fills ``indices`` and ``bin_ids`` (``ROUTING``: each
-    position's expert; ``SORT``: each position's value)."""
+    """Both launches over the flat ``keys``; returns ``(tokens_per_expert, bins, padded_bins,
+    slot_to_row, row_pos)`` and, unless ``place`` is ``HISTOGRAM``, fills ``indices`` and ``bin_ids``
+    (``ROUTING``: each position's expert; ``SORT``: each position's value). ``row_pos`` (the padded or
+    binned route's row map, :func:`routing.row_map`) is made in the NPU form only, where the
+    buffer-row-major gather reads it, by a third launch (:func:`_row_map_of`); None elsewhere."""
     n = keys.shape[0]
     device = keys.device
     target = devices.target(device)
@@ -304,6 +328,7 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
     if npu_form is None:
         npu_form = devices.PREP_NPU_FORM[target]
     block_e = devices.block_e(num_keys)
+    count_block, key_chunk = devices.prep_count_tile(t, block_e)
     tokens_per_expert = torch.empty(num_keys, dtype=torch.int32, device=device)
     bins = torch.empty(num_keys, dtype=torch.int32, device=device)
     padded_bins = torch.empty(num_keys, dtype=torch.int32, device=device) if block else None
@@ -312,15 +337,18 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
         for out in (tokens_per_expert, bins, padded_bins):
             if out is not None:
                 out.zero_()
-        return tokens_per_expert, bins, padded_bins, slot_to_row
-    programs, chunk = _grid(device, n, t.block_m, num_programs)
+        return tokens_per_expert, bins, padded_bins, slot_to_row, _row_map_of(bins, padded_bins, n, route, capacity, block,
+                                                                          npu_form and place != HISTOGRAM, num_programs)
+    # Both launches cut the items into the same chunks, whole blocks of both kernels.
+    programs, chunk = _grid(device, n, max(t.block_m, count_block), num_programs)
     # One histogram row per program, then one count of invalid keys per program; rows up to a
     # multiple of BLOCK_P (read in whole tiles by _place, never written: multiplied by 0 there).
     block_p = devices.prep_block_p(programs, block_e)
     table_rows = _cdiv(programs, block_p) * block_p
     counts = torch.empty(table_rows * (block_e + 1), dtype=torch.int32, device=device)
     _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, table_rows, NPU_FORM=npu_form,
-                  BLOCK_M=t.block_m, BLOCK_E=block_e, num_warps=t.num_warps)
+                  BLOCK_M=count_block if npu_form else t.block_m, BLOCK_E=block_e, CHUNK=key_chunk,
+                  num_warps=t.num_warps)
     placed = place != HISTOGRAM
     _place.launch(
         (programs,), keys, counts, indices if placed else counts, bin_ids if placed else counts, tokens_per_expert, bins,
@@ -329,7 +357,27 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
         PLACE=place, PADDED=bool(block), ROUTE=route, NPU_FORM=npu_form,
         BLOCK_M=t.block_m, BLOCK_E=block_e, BLOCK_P=block_p, num_warps=t.num_warps,
     )
-    return tokens_per_expert, bins, padded_bins, slot_to_row
+    row_pos = _row_map_of(bins, padded_bins, n, route, capacity, block, npu_form and place != HISTOGRAM, num_programs)
+    return tokens_per_expert, bins, padded_bins, slot_to_row, row_pos
+
+
+def _row_map_of(bins, padded_bins, n, route, capacity, block, npu_form, num_programs):
+    """The padded or binned route's row map, for the buffer-row-major gather (the NPU form only; None
+    elsewhere): every row a gather of this routing can have (``routing.padded_rows_bound``,
+    ``experts * capacity``), in a third launch (``routing._row_map``: a walk with contiguous
+    stores). Written in ``_place`` instead, its per-row search or picks over ``[BLOCK_M, BLOCK_E]``
+    tiles took the placement's Unified Buffer plan to 193-196 KiB of 192 (docs/notes/many-experts.md)."""
+    if not npu_form or route not in (routing.PADDED, routing.BINNED):
+        return None
+    experts = bins.shape[0]
+    rows = routing.padded_rows_bound(n, experts, block) if route == routing.PADDED else experts * capacity
+    if rows == 0:
+        return None
+    if n == 0:
+        return torch.full((rows,), -1, dtype=torch.int32, device=bins.device)
+    return routing._compute_row_map(bins, padded_bins if route == routing.PADDED else None, layout=route,
+                                    num_rows=rows, capacity=capacity if route == routing.BINNED else 0,
+                                    num_programs=num_programs)
 
 
 def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=0, *, tile=None,
@@ -341,19 +389,23 @@ def prepare_routing(top_experts, num_experts, block=0, route=NO_ROUTE, capacity=
     ``route`` (a layout of :mod:`~megablocks_ascend.kernels.routing`, with ``capacity`` for the
     binned one) also writes that layout's route map in the same launch and keeps it on ``indices``
     for the routing calls of the step (:func:`routing.keep_route_map`), so none of them launches a
-    kernel to build it."""
+    kernel to build it; in the NPU form, for the padded and binned layouts, also their row map
+    (:func:`routing.keep_row_map`, a third launch), for the buffer-row-major gather."""
     keys = top_experts.reshape(-1)
     n = keys.shape[0]
     indices = torch.empty(n, dtype=torch.int32, device=keys.device)
     bin_ids = torch.empty(n, dtype=torch.int32, device=keys.device)
     keep = route != NO_ROUTE and routing.route_map_keepable(indices)
-    tokens_per_expert, bins, padded_bins, slot_to_row = _launch(
+    tokens_per_expert, bins, padded_bins, slot_to_row, row_pos = _launch(
         keys, num_experts, -1, place=ROUTING, indices=indices, bin_ids=bin_ids, block=block,
         route=route if keep else NO_ROUTE,
         capacity=capacity, tile=tile, num_programs=num_programs, npu_form=npu_form)
     if keep:
-        routing.keep_route_map(indices, bins, padded_bins if route == routing.PADDED else None,
-                               slot_to_row, layout=route, capacity=capacity if route == routing.BINNED else 0)
+        kept_padded = padded_bins if route == routing.PADDED else None
+        kept_capacity = capacity if route == routing.BINNED else 0
+        routing.keep_route_map(indices, bins, kept_padded, slot_to_row, layout=route, capacity=kept_capacity)
+        if row_pos is not None:
+            routing.keep_row_map(indices, bins, kept_padded, row_pos, layout=route, capacity=kept_capacity)
     return indices, bin_ids, bins, tokens_per_expert, padded_bins
 
 

@@ -30,11 +30,13 @@ rows no position lands on, for zeroing).
 
 Kernels
 -------
-``_gather``   buffer-row-major: each program walks sub-blocks of ``BLOCK_M`` buffer rows, finds
-              for each row its position (or that it is padding), and copies token rows
-              ``x[indices[p] // top_k]`` in feature tiles of ``BLOCK_X``, optionally scaled by the
-              router weight. Padding and unused capacity rows are written as zeros, so the output
-              needs no separate zero fill, and every output row is written exactly once.
+``_gather``   buffer-row-major: each program walks sub-blocks of ``BLOCK_M`` buffer rows, reads
+              each row's position (the row itself when dropless, else from the row map, ``-1`` for
+              padding), and copies token rows ``x[indices[p] // top_k]`` in feature tiles of
+              ``BLOCK_X``, optionally scaled by the router weight. Padding and unused capacity rows
+              are written as zeros, so the output needs no separate zero fill, and every output row
+              is written exactly once. No search over the experts: its work per row and its tile
+              are the same at 8 experts and at 256.
 ``_gather_tokens`` token-major, for top_k > 1: each program walks sub-blocks of ``BLOCK_M``
               tokens, loads each token row once per feature tile and stores it (scaled by each
               slot's weight) to the buffer rows of its kept slots (from ``_route_map``); a second
@@ -42,6 +44,9 @@ Kernels
               them as zeros. ``_gather`` would read a token row ``top_k`` times, far apart in time.
 ``_route_map`` position-major (a walk): for each position, the buffer row it lands on (or -1
               when dropped), stored at its slot: the inverse map the token-major kernels need.
+``_row_map``  row-major (a walk), padded and binned: for each buffer row, the position that lands
+              on it (or -1): the map ``_gather`` reads. The routing preparation writes the same map
+              in its own launch (kernels/preparation.py), so a layer step launches nothing for it.
 ``_scatter``  token-major: each program walks sub-blocks of ``BLOCK_M`` tokens and, per feature
               tile, sums the token's ``top_k`` buffer rows (scaled by the router weights) in
               float32 registers; each output row is written once, with no ``[tokens, top_k,
@@ -86,7 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megablocks_ascend import devices, envs, keeping
+from megablocks_ascend import compat, devices, envs, keeping
 from megablocks_ascend.compat import kernel
 from megablocks_ascend.kernels.scan import cumsum
 
@@ -96,33 +101,14 @@ _DROPLESS, _PADDED = tl.constexpr(DROPLESS), tl.constexpr(PADDED)
 _BIG = tl.constexpr(2147483647)
 
 
-_POSITIONS, _PADDING = tl.constexpr(0), tl.constexpr(1)
+_POSITIONS, _PADDING, _ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _walk(bins, padded_bins, capacity, num_experts, num_items,
-          LAYOUT: tl.constexpr, WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The block table of a walk over the experts' segments, one expert per block.
-
-    ``WALK`` picks the items walked: each expert's sorted positions (``_POSITIONS``), or its
-    buffer rows that no position lands on (``_PADDING``). Per expert ``e``:
-    positions ``[pstart, pstart + count)`` (from ``bins``) and rows ``[rstart, rstart + seg)``
-    (from the layout's segment ends); the first ``kept = min(count, seg)`` positions feed the
-    first ``kept`` rows, the other rows are padding (padded) or unused capacity (binned), and
-    the other positions are dropped (binned). Each expert's items are cut into blocks of
-    ``BLOCK_M``, numbered ``0 .. total - 1`` in expert order; :func:`_walk_block` maps a block
-    number back to its expert with one ``BLOCK_E``-wide compare per block, not one per item.
-
-    Returns ``(e, first, nblk, total, start, end, delta, kend)``, per expert: its first block
-    number, its block count, then ``start`` such that item ``m`` of its block ``g`` is
-    ``start + g * BLOCK_M + m``, ``end`` (its items end there), ``delta`` (item + delta is the
-    row of a position) and ``kend`` (items below it are kept positions). The dropless position
-    walk needs no table (rows are positions).
-    """
+def _segments(bins, padded_bins, capacity, num_experts, LAYOUT: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per expert, loaded from ``bins`` / ``padded_bins``: ``(e, e_mask, pstart, count, rstart, seg)``,
+    its sorted positions ``[pstart, pstart + count)`` and its buffer rows ``[rstart, rstart + seg)``."""
     e = tl.arange(0, BLOCK_E)
-    zero = tl.zeros((BLOCK_E,), tl.int32)
-    if LAYOUT == _DROPLESS and WALK != _PADDING:
-        return e, zero, zero, tl.cdiv(num_items, BLOCK_M), zero, zero, zero, zero
     e_mask = e < num_experts
     prev = tl.maximum(e - 1, 0)
     has_prev = e_mask & (e > 0)
@@ -139,22 +125,63 @@ def _walk(bins, padded_bins, capacity, num_experts, num_items,
     else:
         rstart = e * capacity
         rend = rstart + capacity
-    count = tl.maximum(pend - pstart, 0)
-    seg = tl.maximum(rend - rstart, 0)
+    return e, e_mask, pstart, tl.maximum(pend - pstart, 0), rstart, tl.maximum(rend - rstart, 0)
+
+
+@triton.jit
+def _walk_table(e, e_mask, pstart, count, rstart, seg, num_experts, num_items,
+                WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The block table of a walk (:func:`_walk`) from each expert's segments (:func:`_segments`),
+    given as values: the routing preparation computes them in the launch that writes ``bins``."""
     kept = tl.minimum(count, seg)
     if WALK == _POSITIONS:  # items are positions, from each segment's first
         begin = pstart
         end = pstart + count
         delta = rstart - pstart
         kend = pstart + kept
-    else:  # items are rows, from each segment's first padding row
+    elif WALK == _PADDING:  # items are rows, from each segment's first padding row
         begin = rstart + kept
         end = rstart + seg
         delta = pstart - rstart
         kend = begin
+    else:  # items are every row, the last expert's segment reaching num_items (the map's rows)
+        begin = rstart
+        end = tl.where(e == num_experts - 1, tl.maximum(rstart + seg, num_items), rstart + seg)
+        delta = pstart - rstart
+        kend = rstart + kept
     nblk = tl.where(e_mask, (end - begin + BLOCK_M - 1) // BLOCK_M, 0)
     first = cumsum(nblk, BLOCK_E) - nblk  # (a vector scan: kernels/scan.py)
     return e, first, nblk, tl.sum(nblk, axis=0), begin - first * BLOCK_M, end, delta, kend
+
+
+@triton.jit
+def _walk(bins, padded_bins, capacity, num_experts, num_items,
+          LAYOUT: tl.constexpr, WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The block table of a walk over the experts' segments, one expert per block.
+
+    ``WALK`` picks the items walked: each expert's sorted positions (``_POSITIONS``), its buffer
+    rows that no position lands on (``_PADDING``), or all its buffer rows (``_ROWS``; the last
+    expert's reach ``num_items``, so that a walk covers every row of a map of ``num_items``). Per
+    expert ``e``: positions ``[pstart, pstart + count)`` (from ``bins``) and rows ``[rstart,
+    rstart + seg)`` (from the layout's segment ends); the first ``kept = min(count, seg)``
+    positions feed the first ``kept`` rows, the other rows are padding (padded) or unused capacity
+    (binned), and the other positions are dropped (binned). Each expert's items are cut into
+    blocks of ``BLOCK_M``, numbered ``0 .. total - 1`` in expert order; :func:`_walk_block` maps a
+    block number back to its expert with one ``BLOCK_E``-wide compare per block, not one per item.
+
+    Returns ``(e, first, nblk, total, start, end, delta, kend)``, per expert: its first block
+    number, its block count, then ``start`` such that item ``m`` of its block ``g`` is
+    ``start + g * BLOCK_M + m``, ``end`` (its items end there), ``delta`` (item + delta is the
+    row of a position, or the position of a row) and ``kend`` (items below it are kept positions,
+    or rows that a position lands on). The dropless position walk needs no table (rows are
+    positions).
+    """
+    if LAYOUT == _DROPLESS and WALK == _POSITIONS:
+        e = tl.arange(0, BLOCK_E)
+        zero = tl.zeros((BLOCK_E,), tl.int32)
+        return e, zero, zero, tl.cdiv(num_items, BLOCK_M), zero, zero, zero, zero
+    e, e_mask, pstart, count, rstart, seg = _segments(bins, padded_bins, capacity, num_experts, LAYOUT, BLOCK_E)
+    return _walk_table(e, e_mask, pstart, count, rstart, seg, num_experts, num_items, WALK, BLOCK_M, BLOCK_E)
 
 
 @triton.jit
@@ -167,7 +194,7 @@ def _walk_block(g, m, num_items, e, first, nblk, start, end, delta, kend,
                 LAYOUT: tl.constexpr, WALK: tl.constexpr, BLOCK_M: tl.constexpr):
     """Block ``g`` of a :func:`_walk`: ``(item, inside, delta, kend)``, its items (positions or
     rows), which of them exist, and its expert's ``delta`` and ``kend`` (scalars)."""
-    if LAYOUT == _DROPLESS and WALK != _PADDING:
+    if LAYOUT == _DROPLESS and WALK == _POSITIONS:
         item = g * BLOCK_M + m
         return item, item < num_items, 0, _BIG
     # The expert owning block g: the last one with blocks whose first block is <= g.
@@ -192,38 +219,6 @@ def _position_rows(blk, m, indices, num_positions, num_rows, e, first, nblk, sta
     row = pos + d
     keep = has_slot & (pos < k_end) & (row >= 0) & (row < num_rows)
     return tl.where(keep, row, 0), slot, has_slot, keep
-
-
-@triton.jit
-def _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT: tl.constexpr):
-    """``(ends, pends)``: where each expert's sorted positions end (``bins``) and where its row
-    segment of the buffer ends (``padded_bins``, or ``(e + 1) * capacity`` when binned)."""
-    ends = tl.load(bins + e, mask=e_mask, other=0).to(tl.int32)
-    if LAYOUT == _PADDED:
-        pends = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
-    else:
-        pends = (e + 1) * capacity
-    return ends, pends
-
-
-@triton.jit
-def _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions,
-                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The sorted position feeding each buffer row, clamped to 0 where there is none (padding,
-    unused capacity), and whether there is one."""
-    big = tl.full((BLOCK_M, BLOCK_E), _BIG, tl.int32)
-    zero = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
-    before = (pends[None, :] <= rows[:, None]) & e_mask[None, :]
-    after = (pends[None, :] > rows[:, None]) & e_mask[None, :]
-    seg_start = tl.max(tl.where(before, pends[None, :], zero), axis=1)
-    pos_start = tl.max(tl.where(before, ends[None, :], zero), axis=1)
-    seg_end = tl.min(tl.where(after, pends[None, :], big), axis=1)
-    pos_end = tl.min(tl.where(after, ends[None, :], big), axis=1)
-    pos = pos_start + (rows - seg_start)
-    valid = in_rows & (rows < seg_end) & (pos < pos_end) & (pos < num_positions)
-    # Loads through computed offsets are clamped to valid addresses, not just masked:
-    # triton-ascend 3.2 may issue a masked-out data-dependent load (triton-ascend#2332).
-    return tl.where(valid, pos, 0), valid
 
 
 @triton.jit
@@ -258,37 +253,78 @@ def _scaled(tile, scale, valid, dtype):
     return tl.where(valid[:, None], (tile.to(tl.float32) * scale[:, None]).to(dtype), 0)
 
 
+# Row loads through triton-ascend's index_select_simd (the SELECT form, devices.ROW_LOADS): on
+# triton-ascend the builtin itself; elsewhere (standard Triton, the interpreter) its documented
+# semantics in plain Triton, so that CI runs the kernels' SELECT form: rows ``rows`` of a
+# [num_src_rows, hidden] tensor, columns [x0, x0 + BLOCK_X); no check of the row numbers; what lies
+# outside the tensor is not defined (NaN here: a kernel that does not select those elements away
+# fails its tests).
+_ASCEND = compat.ascend_row_select()  # the module holding the builtin, or None
+
+
+@triton.jit
+def _select_rows_builtin(src, rows, num_src_rows, hidden, x0, BLOCK_X: tl.constexpr):
+    return _ASCEND.index_select_simd(src, 0, rows, [num_src_rows, hidden], [-1, x0], [-1, BLOCK_X])
+
+
+@triton.jit
+def _select_rows_plain(src, rows, num_src_rows, hidden, x0, BLOCK_X: tl.constexpr):
+    cols = x0 + tl.arange(0, BLOCK_X)
+    inside = (rows >= 0) & (rows < num_src_rows)
+    return tl.load(src + rows[:, None] * hidden + cols[None, :], mask=inside[:, None] & (cols < hidden)[None, :],
+                   other=float("nan"))
+
+
+_select_rows = _select_rows_builtin if _ASCEND is not None else _select_rows_plain
+
+
+@triton.jit
+def _load_rows(src, rows, offsets, valid, num_src_rows, hidden, x0, c, c_mask,
+               SELECT: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Feature tile ``c`` of rows ``rows`` of ``src`` (row numbers clamped to valid ones, ``offsets``
+    their element offsets): 0 where not ``valid`` and outside the features. ``SELECT``: through
+    ``index_select_simd`` (the launcher sets it only for int32 offsets and whole feature tiles), the
+    rows not ``valid`` selected to 0 after the load; else one masked 2-D load."""
+    if SELECT:
+        tile = tl.where(valid[:, None], _select_rows(src, rows, num_src_rows, hidden, x0, BLOCK_X), 0)
+    else:
+        tile = tl.load(src + offsets[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+    return tile
+
+
 _INT32_LIMIT = 2**31
 
 
 @kernel
 def _gather(
-    x, out, indices, bins, padded_bins, weights,
-    num_rows, num_positions, num_experts, hidden, capacity,
-    LAYOUT: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_X: tl.constexpr,
+    x, out, indices, row_pos, weights,
+    num_rows, map_rows, num_positions, hidden,
+    MAPPED: tl.constexpr, TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr, SELECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
-    # Buffer-row-major with a per-row expert search (_position_of_row), not a _walk: written as a
-    # walk, this kernel made triton-ascend 3.2's discrete-mask-access-conversion pass crash in
-    # ~5-15% of compiles of the same TTIR (docs/notes/ascend-lowering.md). The search is one
-    # [BLOCK_M, BLOCK_E] compare per sub-block, cheap next to the row copies. It serves every top_k
-    # on an NPU (its stores are contiguous: devices.STORES) and top_k == 1 on CUDA.
+    # Buffer-row-major. Each row's sorted position is the row itself (dropless) or, MAPPED (padded,
+    # binned), read from the row map (_row_map, or the routing preparation's launch): one
+    # contiguous load per sub-block, no search over the experts, so neither the work per row nor
+    # the tile depends on the expert count (a [BLOCK_M, BLOCK_E] search here took the tile from 16
+    # rows at 8 experts to 4 at 256 on an NPU: docs/notes/many-experts.md). Rows past the map
+    # (map_rows) are padding. It serves every top_k on an NPU (its stores are contiguous:
+    # devices.STORES) and the dropless top_k == 1 on CUDA.
     pid = tl.program_id(0)
     npg = tl.num_programs(0)
     m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_X)
-    e = tl.arange(0, BLOCK_E)
-    e_mask = e < num_experts
-    if LAYOUT != _DROPLESS:
-        ends, pends = _segment_ends(bins, padded_bins, capacity, e, e_mask, LAYOUT)
     for blk in range(pid, tl.cdiv(num_rows, BLOCK_M), npg):
         rows = blk * BLOCK_M + m
         in_rows = rows < num_rows
-        if LAYOUT == _DROPLESS:
+        if MAPPED:
+            pos = tl.load(row_pos + rows, mask=rows < map_rows, other=-1)
+            valid = in_rows & (pos >= 0) & (pos < num_positions)
+            # Loads through computed offsets are clamped to valid addresses, not just masked:
+            # triton-ascend 3.2 may issue a masked-out data-dependent load (triton-ascend#2332).
+            pos = tl.where(valid, pos, 0)
+        else:
             pos = rows
             valid = in_rows
-        else:
-            pos, valid = _position_of_row(rows, in_rows, ends, pends, e_mask, num_positions, BLOCK_M, BLOCK_E)
         slot = tl.load(indices + pos, mask=valid, other=0).to(tl.int32)
         valid = valid & (slot >= 0) & (slot < num_positions)
         slot = tl.where(valid, slot, 0)
@@ -299,7 +335,7 @@ def _gather(
         dst = _offsets(rows, hidden, INT64)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-            tile = tl.load(x + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+            tile = _load_rows(x, token, src, valid, num_positions // TOP_K, hidden, x0, c, c_mask, SELECT, BLOCK_X)
             if SCALE:
                 tile = (tile.to(tl.float32) * scale[:, None]).to(out.dtype.element_ty)
             tl.store(out + dst[:, None] + c[None, :], tile, mask=in_rows[:, None] & c_mask[None, :])
@@ -380,10 +416,31 @@ def _route_map(
 
 
 @kernel
+def _row_map(
+    bins, padded_bins, row_pos,
+    num_rows, num_experts, capacity,
+    LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    # Row-major walk (padded, binned): each block is consecutive rows of one expert, so a block's
+    # positions are consecutive too, and every store lands on consecutive rows (no store to
+    # data-dependent rows). Rows no position lands on (padding, unused capacity, the rows past the
+    # last segment) get -1.
+    pid = tl.program_id(0)
+    npg = tl.num_programs(0)
+    m = tl.arange(0, BLOCK_M)
+    e, first, nblk, total, start, end, delta, kend = _walk(
+        bins, padded_bins, capacity, num_experts, num_rows, LAYOUT, _ROWS, BLOCK_M, BLOCK_E)
+    for blk in range(pid, total, npg):
+        rows, inside, d, k_end = _walk_block(blk, m, num_rows, e, first, nblk, start, end, delta, kend,
+                                             LAYOUT, _ROWS, BLOCK_M)
+        tl.store(row_pos + rows, tl.where(rows < k_end, rows + d, -1), mask=inside & (rows >= 0) & (rows < num_rows))
+
+
+@kernel
 def _scatter(
     y, out, slot_to_row, weights,
     num_tokens, num_rows, hidden,
-    TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr, FLAT: tl.constexpr,
+    TOP_K: tl.constexpr, SCALE: tl.constexpr, INT64: tl.constexpr, FLAT: tl.constexpr, SELECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # Token-major: a sub-block of BLOCK_M tokens gathers its slots' rows on load and stores its
@@ -409,7 +466,8 @@ def _scatter(
             in_slots = (slots < num_tokens * TOP_K) & (slots - first[:, None] < TOP_K)
             row = tl.load(slot_to_row + slots, mask=in_slots, other=-1)
             valid = in_slots & (row >= 0) & (row < num_rows)
-            src = _offsets(tl.reshape(tl.where(valid, row, 0), (BLOCK_M * BLOCK_K,)), hidden, INT64)
+            flat_rows = tl.reshape(tl.where(valid, row, 0), (BLOCK_M * BLOCK_K,))
+            src = _offsets(flat_rows, hidden, INT64)
             if SCALE:
                 # A dropped slot's weight is selected away, not multiplied by its zero row: a NaN or
                 # infinite weight would make the token's sum NaN (CUDA's form masks it the same way).
@@ -418,7 +476,7 @@ def _scatter(
             valid = tl.reshape(valid, (BLOCK_M * BLOCK_K,))
             for x0 in range(0, hidden, BLOCK_X):
                 c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-                tile = tl.load(y + src[:, None] + c[None, :], mask=valid[:, None] & c_mask[None, :], other=0)
+                tile = _load_rows(y, flat_rows, src, valid, num_rows, hidden, x0, c, c_mask, SELECT, BLOCK_X)
                 tile = tile.to(tl.float32)
                 if SCALE:
                     tile = tile * scale[:, None]
@@ -479,7 +537,7 @@ def _scatter_one(
 def _wgrad(
     y, grad, out, slot_to_row,
     num_slots, num_rows, hidden,
-    TOP_K: tl.constexpr, INT64: tl.constexpr,
+    TOP_K: tl.constexpr, INT64: tl.constexpr, SELECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_X: tl.constexpr, EVEN_X: tl.constexpr,
 ):
     # Slot-major: consecutive slots share a token, so each grad row is read once.
@@ -499,9 +557,9 @@ def _wgrad(
         acc = tl.zeros((BLOCK_M, BLOCK_X), tl.float32)
         for x0 in range(0, hidden, BLOCK_X):
             c, c_mask = _columns(x0, cols, hidden, EVEN_X, BLOCK_X)
-            mask = valid[:, None] & c_mask[None, :]
-            a = tl.load(y + src[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
-            b = tl.load(grad + gsrc[:, None] + c[None, :], mask=mask, other=0).to(tl.float32)
+            a = _load_rows(y, row, src, valid, num_rows, hidden, x0, c, c_mask, SELECT, BLOCK_X).to(tl.float32)
+            b = _load_rows(grad, token, gsrc, valid, num_slots // TOP_K, hidden, x0, c, c_mask, SELECT,
+                           BLOCK_X).to(tl.float32)
             acc += a * b
         tl.store(out + slots, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=in_slots)
 
@@ -609,27 +667,40 @@ def _row_meta(t, hidden, **meta):
     return dict(meta, BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=hidden % t.block_x == 0, num_warps=t.num_warps)
 
 
+def _select(device, kind, meta) -> dict:
+    """``meta`` with ``SELECT``: whether ``kind``'s gathered rows load through ``index_select_simd``
+    (``devices.row_select``), where its offsets are int32 and its feature tiles whole."""
+    return dict(meta, SELECT=devices.row_select(device, kind) and not meta["INT64"] and meta["EVEN_X"])
+
+
 def gather_rows(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k,
                 capacity=0, tile=None, num_programs=None):
-    """``out[r] = x[slot(r) // top_k] * weights[slot(r)]`` for every buffer row ``r`` (0 for padding)."""
+    """``out[r] = x[slot(r) // top_k] * weights[slot(r)]`` for every buffer row ``r`` (0 for padding).
+
+    Dropless rows are positions; the padded and binned layouts find each row's position in the row
+    map (:func:`row_map`: the routing preparation's, or one launch), not by a search over the
+    experts, so the tile is the same at every expert count."""
     tokens, hidden = x.shape
     device = x.device
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=device)
     if num_rows == 0 or hidden == 0:
         return out
-    experts = bins.shape[0]
+    n = indices.shape[0]
+    mapped = layout != DROPLESS
+    row_pos = row_map(indices, bins, padded_bins, layout=layout, num_rows=num_rows, capacity=capacity,
+                      num_programs=num_programs) if mapped else indices
+    map_rows = row_pos.shape[0] if mapped else num_rows
 
     def plan():
-        t = _tile("gather", x.dtype, hidden, device, tile, bins=bins)
-        return _grid(device, _cdiv(num_rows, t.block_m), num_programs), _row_meta(
-            t, hidden, LAYOUT=layout, TOP_K=top_k, SCALE=weights is not None,
-            INT64=_needs_int64(tokens * hidden, num_rows * hidden), BLOCK_E=devices.block_e(experts))
+        t = _tile("gather", x.dtype, hidden, device, tile)
+        return _grid(device, _cdiv(num_rows, t.block_m), num_programs), _select(device, "gather", _row_meta(
+            t, hidden, MAPPED=mapped, TOP_K=top_k, SCALE=weights is not None,
+            INT64=_needs_int64(tokens * hidden, num_rows * hidden)))
 
-    grid, meta = _planned(("gather", device, x.dtype, tokens, hidden, num_rows, experts, layout, top_k,
-                           weights is None, tile, num_programs, envs.num_programs_override()), plan)
-    _gather.launch(grid, x, out, indices, bins, padded_bins if padded_bins is not None else bins,
-                   weights if weights is not None else x, num_rows, indices.shape[0], experts, hidden, capacity,
-                   **meta)
+    grid, meta = _planned(("gather", device, x.dtype, tokens, hidden, num_rows, mapped, top_k,
+                           weights is None, tile, num_programs, envs.num_programs_override(), envs.row_loads()), plan)
+    _gather.launch(grid, x, out, indices, row_pos, weights if weights is not None else x, num_rows, map_rows, n,
+                   hidden, **meta)
     return out
 
 
@@ -665,11 +736,15 @@ def gather_tokens_rows(x, indices, bins, padded_bins, weights, *, layout, num_ro
 
 def _gather_any(x, indices, bins, padded_bins, weights, *, layout, num_rows, top_k, capacity=0, **launch):
     """Buffer-row-major (:func:`gather_rows`: gathers token rows on load, stores whole sub-blocks)
-    on targets that take contiguous stores (an NPU: ``devices.STORES``) and wherever each token has
-    one slot; token-major (:func:`gather_tokens_rows`) otherwise, so that each token row is read
-    once rather than ``top_k`` times (a token's rows lie far apart in the expert-sorted buffer, so
-    re-reads miss the cache: on an H200 the fine-grained gather went from 2.5 to 3.4 TB/s)."""
-    launcher = gather_tokens_rows if top_k > 1 and not devices.contiguous_stores(x.device) else gather_rows
+    on targets that take contiguous stores (an NPU: ``devices.STORES``), and for the dropless layout
+    where each token has one slot (no map needed: rows are positions); token-major
+    (:func:`gather_tokens_rows`) otherwise, so that each token row is read once rather than
+    ``top_k`` times (a token's rows lie far apart in the expert-sorted buffer, so re-reads miss the
+    cache: on an H200 the fine-grained gather went from 2.5 to 3.4 TB/s), and a padded or binned
+    gather of one slot per token takes the route map the scatter after it takes too, rather than a
+    row map of its own."""
+    token_major = not devices.contiguous_stores(x.device) and (top_k > 1 or layout != DROPLESS)
+    launcher = gather_tokens_rows if token_major else gather_rows
     return launcher(x, indices, bins, padded_bins, weights, layout=layout, num_rows=num_rows, top_k=top_k,
                     capacity=capacity, **launch)
 
@@ -765,6 +840,67 @@ def _compute_route_map(indices, bins, padded_bins, *, layout, capacity, block_m,
     return slot_to_row
 
 
+# Row maps, for the buffer-row-major gather of the padded and binned layouts: ``row_pos[r]``, the
+# sorted position feeding buffer row ``r``, or -1 (padding, unused capacity, rows past the last
+# segment). Kept on ``indices`` under the same rule as the route maps (above), one per layout and
+# capacity; the routing preparation writes and keeps the map of the layout it was asked for on
+# the targets that take contiguous stores (kernels/preparation.py). Its map has a row for every
+# row a gather of that routing can have (``padded_rows_bound``, ``experts * capacity``): "whole",
+# it serves a gather of any row count (rows past it are padding). A map computed here has the rows
+# of the call that asked for it, and serves calls of as many rows or fewer.
+_ROW_MAP_ATTR = "_megablocks_ascend_row_maps"
+
+
+def padded_rows_bound(num_positions: int, num_experts: int, block: int) -> int:
+    """The most rows a padded layout of ``num_positions`` positions over ``num_experts`` experts,
+    each segment rounded up to a multiple of ``block``, can have: ``padded_bins[-1]`` is at most this."""
+    return num_positions + num_experts * (max(int(block), 1) - 1)
+
+
+def keep_row_map(indices, bins, padded_bins, row_pos, *, layout, capacity=0) -> None:
+    """Keep ``row_pos``, a whole row map written by the launch that wrote ``indices`` and ``bins``
+    (the routing preparation), for the gathers that follow (see :func:`keep_route_map`)."""
+    keeping.keep(indices, _ROW_MAP_ATTR, (row_pos, True), _for(indices, bins, padded_bins), (bins, padded_bins),
+                 keeping.capturing_on(indices), (layout, capacity))
+
+
+def row_map(indices, bins, padded_bins, *, layout, num_rows, capacity=0, num_programs=None):
+    """``row_pos`` of at least ``num_rows`` rows, or a whole one (see above): found on ``indices``, else
+    computed (one launch of :func:`_row_map`) and kept. Must not be modified."""
+    if not keeping.keepable(indices, bins, padded_bins):
+        return _compute_row_map(bins, padded_bins, layout=layout, num_rows=num_rows, capacity=capacity,
+                                num_programs=num_programs)
+    captured = keeping.capturing_on(indices)
+    what = _for(indices, bins, padded_bins)
+    found = keeping.kept(indices, _ROW_MAP_ATTR, what, (bins, padded_bins), captured, (layout, capacity))
+    if found is not None and (found[1] or found[0].shape[0] >= num_rows):
+        return found[0]
+    row_pos = _compute_row_map(bins, padded_bins, layout=layout, num_rows=num_rows, capacity=capacity,
+                               num_programs=num_programs)
+    if not captured:  # a captured call keeps nothing it computed (see the route maps)
+        keeping.keep(indices, _ROW_MAP_ATTR, (row_pos, False), what, (bins, padded_bins), False, (layout, capacity))
+    return row_pos
+
+
+def _compute_row_map(bins, padded_bins, *, layout, num_rows, capacity, num_programs, block_m=None):
+    device = bins.device
+    row_pos = torch.empty(num_rows, dtype=torch.int32, device=device)
+    if num_rows == 0:
+        return row_pos
+    experts = bins.shape[0]
+
+    def plan():
+        bm = block_m if block_m is not None else ROUTE_MAP_BLOCK_M.get(device.type, 128)
+        return _grid(device, _walk_blocks(num_rows, bm, experts), num_programs), dict(
+            LAYOUT=layout, BLOCK_M=bm, BLOCK_E=devices.block_e(experts))
+
+    grid, meta = _planned(("row_map", device, num_rows, experts, layout, block_m, num_programs,
+                           envs.num_programs_override()), plan)
+    _row_map.launch(grid, bins, padded_bins if padded_bins is not None else bins, row_pos, num_rows, experts,
+                    capacity, **meta)
+    return row_pos
+
+
 def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_programs=None):
     """``out[t] = sum_k weights[t*top_k+k] * y[slot_to_row[t*top_k+k]]`` (float32 sum, one write)."""
     hidden = y.shape[-1]
@@ -777,13 +913,15 @@ def scatter_rows(y, slot_to_row, weights, *, num_tokens, top_k, tile=None, num_p
 
     def plan():
         t = _tile("scatter", y.dtype, hidden, device, tile, top_k=devices.block_k(top_k))  # its slot rows
-        return _grid(device, _cdiv(num_tokens, t.block_m), num_programs), _row_meta(
+        flat = devices.contiguous_stores(device)
+        meta = _select(device, "scatter", _row_meta(
             t, hidden, TOP_K=top_k, SCALE=weights is not None,
-            INT64=_needs_int64(rows * hidden, num_tokens * hidden), FLAT=devices.contiguous_stores(device),
-            BLOCK_K=devices.block_k(top_k))
+            INT64=_needs_int64(rows * hidden, num_tokens * hidden), FLAT=flat, BLOCK_K=devices.block_k(top_k)))
+        meta["SELECT"] = meta["SELECT"] and flat  # (the flat form's rows; CUDA's per-slot loads are masked)
+        return _grid(device, _cdiv(num_tokens, t.block_m), num_programs), meta
 
     grid, meta = _planned(("scatter", device, y.dtype, rows, hidden, num_tokens, top_k, weights is None, tile,
-                           num_programs, envs.num_programs_override(), envs.stores()), plan)
+                           num_programs, envs.num_programs_override(), envs.stores(), envs.row_loads()), plan)
     _scatter.launch(grid, y, out, slot_to_row, weights if weights is not None else y, num_tokens, rows, hidden,
                     **meta)
     return out
@@ -844,11 +982,11 @@ def wgrad_rows(y, grad, slot_to_row, *, top_k, tile=None, num_programs=None):
 
     def plan():
         t = _tile("wgrad", y.dtype, hidden, device, tile)
-        return _grid(device, _cdiv(n, t.block_m), num_programs), _row_meta(
-            t, hidden, TOP_K=top_k, INT64=_needs_int64(rows * hidden, grad_numel))
+        return _grid(device, _cdiv(n, t.block_m), num_programs), _select(device, "wgrad", _row_meta(
+            t, hidden, TOP_K=top_k, INT64=_needs_int64(rows * hidden, grad_numel)))
 
     grid, meta = _planned(("wgrad", device, y.dtype, rows, hidden, n, grad_numel, top_k, tile, num_programs,
-                           envs.num_programs_override()), plan)
+                           envs.num_programs_override(), envs.row_loads()), plan)
     _wgrad.launch(grid, y, grad, out, slot_to_row, n, rows, hidden, **meta)
     return out
 

@@ -22,7 +22,7 @@ from megablocks_ascend.cli.lowering.driver import (
     TritonAscendMissing,
     make_backend,
 )
-from megablocks_ascend.cli.lowering.table import EXPERTS, KERNELS, source_digest
+from megablocks_ascend.cli.lowering.table import EXPERTS, KERNELS, MANY_EXPERTS, source_digest
 
 REEXEC_VAR = "_MEGABLOCKS_ASCEND_LOWER_REEXEC"  # set in the process main() starts again
 
@@ -118,7 +118,7 @@ def main(args) -> int:
     if variants:
         header.append(f"variants (--variant): {', '.join(variants)}")
     try:
-        cfgs = configs(specs, axes=axes, experts=getattr(args, "experts", None) or EXPERTS, overrides=overrides)
+        cfgs = configs(specs, axes=axes, experts=getattr(args, "experts", None), overrides=overrides)
     except (KeyError, ValueError) as exc:
         print(f"error: --axis/--set: {exc!r}", file=sys.stderr)
         return 2
@@ -160,7 +160,9 @@ def add_arguments(parser) -> None:
                         help="stop after triton-ascend's ttadapter stage (no bishengir-compile)")
     parser.add_argument("--axis", action="append", metavar="NAME=V[,V...]",
                         help="replace an axis's values in every kernel that has it (e.g. hidden=64,100 TOP_K=8)")
-    parser.add_argument("--experts", type=int, metavar="N", help=f"the problem's expert count (default {EXPERTS})")
+    parser.add_argument("--experts", type=int, metavar="N",
+                        help=f"the problem's expert count (default: the table, {EXPERTS} experts and, for the "
+                             f"routing kernels, a few configurations at {', '.join(map(str, MANY_EXPERTS))})")
     parser.add_argument("--set", action="append", metavar="NAME=V",
                         help="set a constexpr by hand after the launchers' choice (e.g. BLOCK_M=64): shows "
                              "what the back end does with a tile no launcher picks")

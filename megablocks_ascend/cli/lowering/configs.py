@@ -20,13 +20,13 @@ from megablocks_ascend.cli.lowering.table import (
     EXPERTS,
     FILL_ROWS,
     KERNELS,
+    MANY_EXPERTS,
     PREP_PROGRAMS,
     ROUTE_MAP_BLOCK_M,
     SIZE_AXES,
     KernelSpec,
     Problem,
     fill_block,
-    prep_block_m,
 )
 
 _TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_X")  # shown in a label
@@ -55,7 +55,7 @@ class Config:
                 parts.append(f"{k}={int(v)}")
             else:
                 parts.append(f"{k}={v}")
-        if self.experts != EXPERTS and "BLOCK_E" in self.constexprs:
+        if self.experts != EXPERTS:
             parts.append(f"E={self.experts}")
         tiles = [f"{k}={self.constexprs[k]}" for k in _TILES if k in self.constexprs]
         if "EVEN_X" in self.constexprs:
@@ -68,7 +68,7 @@ def _show(v):
     return int(v) if isinstance(v, bool) else v
 
 
-def configs(kernels: Iterable[KernelSpec] = KERNELS, *, axes: dict | None = None, experts: int = EXPERTS,
+def configs(kernels: Iterable[KernelSpec] = KERNELS, *, axes: dict | None = None, experts: int | None = None,
             overrides: dict | None = None) -> list[Config]:
     """Every configuration of every kernel: the product of its axes, tiles derived as on an NPU.
 
@@ -76,31 +76,49 @@ def configs(kernels: Iterable[KernelSpec] = KERNELS, *, axes: dict | None = None
     hidden sizes or top_k values than the table's, or fewer); ``experts`` is the problem's expert
     count (``BLOCK_E``); ``overrides`` sets constexprs by hand after they are derived (``--set``:
     tiles no launcher would choose, to show what the back end does with them). The memory model
-    (``ub_bytes``, ``cube_bytes``) is that of the tile the configuration ends up with."""
+    (``ub_bytes``, ``cube_bytes``) is that of the tile the configuration ends up with.
+
+    The table itself (neither ``axes`` nor ``experts`` given) is the product at ``EXPERTS`` and, for
+    the kernels with ``many`` axes, their configurations at ``EXPERTS`` and ``MANY_EXPERTS`` experts
+    that the product does not hold (labelled ``E=...`` at other expert counts)."""
+    table = experts is None and not axes
+    base = [(spec, spec.axes, EXPERTS if experts is None else experts) for spec in kernels]
+    many = [(spec, spec.many, e) for spec in kernels if table and spec.many for e in (EXPERTS,) + MANY_EXPERTS]
+    out, seen = [], set()
+    for spec, spec_axes, count in base + many:
+        for cfg in _expand(spec, spec_axes, dict(axes or {}), count, dict(overrides or {})):
+            if (cfg.kernel, cfg.label) not in seen:
+                seen.add((cfg.kernel, cfg.label))
+                out.append(cfg)
+    return out
+
+
+def _expand(spec: KernelSpec, spec_axes: dict, axes: dict, experts: int, overrides: dict) -> list[Config]:
+    """The configurations of one kernel over ``spec_axes`` (``axes`` replacing their values) at ``experts``."""
     from megablocks_ascend import devices  # noqa: PLC0415
 
-    axes, overrides = dict(axes or {}), dict(overrides or {})
     out = []
-    for spec in kernels:
-        names = list(spec.axes)
-        values = [tuple(axes[n]) if n in axes else spec.axes[n] for n in names]
-        for combo in itertools.product(*values):
-            ax = dict(zip(names, combo))
-            constexprs, cube = _constexprs(spec, ax, experts)
-            scalars = spec.scalars(Problem.of(ax, experts))
-            missing = set(spec.derived) - set(constexprs)
-            if missing:
-                raise AssertionError(f"{spec.name}: derived constexprs {sorted(missing)} not computed")
-            mine = {k: v for k, v in overrides.items() if k in constexprs}
-            if mine:
-                constexprs.update(mine)
-                if "BLOCK_X" in mine and "EVEN_X" not in mine and "EVEN_X" in constexprs:
-                    constexprs["EVEN_X"] = ax["hidden"] % constexprs["BLOCK_X"] == 0
-                if spec.cube:
-                    t = devices.CubeTile(constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_K"])
-                    cube = devices.cube_bytes(t, DTYPES[ax["dtype"]][2])
-            out.append(Config(spec.name, ax, constexprs, scalars, model_ub(spec, ax, constexprs, experts), cube,
-                              experts, tuple(sorted(mine))))
+    names = list(spec_axes)
+    values = [tuple(axes[n]) if n in axes else spec_axes[n] for n in names]
+    for combo in itertools.product(*values):
+        ax = dict(zip(names, combo))
+        constexprs, cube = _constexprs(spec, ax, experts)
+        if spec.when is not None and not spec.when({**ax, **constexprs}):
+            continue  # a point no launcher produces
+        scalars = spec.scalars(Problem.of(ax, experts))
+        missing = set(spec.derived) - set(constexprs)
+        if missing:
+            raise AssertionError(f"{spec.name}: derived constexprs {sorted(missing)} not computed")
+        mine = {k: v for k, v in overrides.items() if k in constexprs}
+        if mine:
+            constexprs.update(mine)
+            if "BLOCK_X" in mine and "EVEN_X" not in mine and "EVEN_X" in constexprs:
+                constexprs["EVEN_X"] = ax["hidden"] % constexprs["BLOCK_X"] == 0
+            if spec.cube:
+                t = devices.CubeTile(constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_K"])
+                cube = devices.cube_bytes(t, DTYPES[ax["dtype"]][2])
+        out.append(Config(spec.name, ax, constexprs, scalars, model_ub(spec, ax, constexprs, experts), cube,
+                          experts, tuple(sorted(mine))))
     return out
 
 
@@ -126,7 +144,10 @@ def _constexprs(spec: KernelSpec, axes: dict, experts: int) -> tuple[dict, dict 
                          **tile_args(spec, axes, experts))
         constexprs.update(BLOCK_M=t.block_m, BLOCK_X=t.block_x, EVEN_X=axes["hidden"] % t.block_x == 0)
     elif spec.module == "preparation":
-        constexprs["BLOCK_M"] = prep_block_m(experts)
+        t = devices.prep_tile(experts, "npu")
+        constexprs["BLOCK_M"] = t.block_m
+        if "CHUNK" in spec.derived:  # the count's own block of items, and its keys per compare
+            constexprs["BLOCK_M"], constexprs["CHUNK"] = devices.prep_count_tile(t, devices.block_e(experts))
         if "BLOCK_P" in spec.derived:
             constexprs["BLOCK_P"] = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(experts))
         if "NPU_FORM" in spec.derived:

@@ -10,6 +10,10 @@ kernel (:func:`analyze_ir`; the markers are the ones triton-ascend 3.2.0's adapt
                  ``bufferization.materialize_in_destination`` of a ``tensor<1xN>`` slice for a store.
                  One op here is one DMA per row per tile. (A store whose mask depends on loaded data
                  is NOT lowered this way: it becomes element-wise scalar stores, counted below.)
+                 triton-ascend's ``index_select_simd`` builtin lowers to the same loop of row
+                 copies, marked ``hivm.parallel_loop`` only (its row numbers read with an unmarked
+                 ``tensor.extract`` of the index vector: an address, not data): counted here too,
+                 and in ``select_loops``.
 ``scalar_hot``   scalar memory accesses inside the feature-tile loop (the ``scf.for`` whose step
                  is the constant ``BLOCK_X``), i.e. executed per row (or per element) per feature
                  tile. A scalar access is a ``memref.load`` / ``memref.store`` of one global-memory
@@ -81,6 +85,13 @@ _ROW_COPY_RE = re.compile(
     r"\bmemref\.copy\b"
     r"|\bbufferization\.materialize_in_destination\s.*:\s*\(tensor<1x(\?|[2-9]|\d\d+)")
 _VEC_INT_RE = re.compile(r"\barith\.(cmpi|addi|muli)\b.*:\s*tensor<[^>]*x(i32|i64)>")
+_INDEX_READ_RE = re.compile(r"\btensor\.extract\s.*:\s*tensor<\d+xi(32|64)>")  # a row number of an index vector
+
+
+def _select_loop(lp: "Loop") -> bool:
+    """index_select_simd's loop of row copies (see ``row_dma``)."""
+    return ("hivm.parallel_loop" in lp.attrs and "ExtractedLoadOrStore" not in lp.attrs
+            and any(_ROW_COPY_RE.search(op) for op in lp.ops))
 
 
 def parse_loops(ir: str) -> tuple[list[Loop], dict[str, int]]:
@@ -138,14 +149,16 @@ def analyze_ir(ir: str, block_x: int | None = None) -> dict:
         return is_feature_loop(lp) or any(is_feature_loop(a) for a in lp.ancestors())
 
     res = dict(row_dma=0, row_dma_hot=0, scalar_hot=0, scalar_row=0, int_vec_hot=0, int_vec=0,
-               discrete_loops=0, parallel_loops=0, feature_loops=0)
+               discrete_loops=0, parallel_loops=0, feature_loops=0, select_loops=0)
     for lp in loops:
         hot = in_feature_loop(lp)
         if is_feature_loop(lp):
             res["feature_loops"] += 1
         nested = any("ExtractedLoadOrStore" in a.attrs for a in lp.ancestors())
-        if "ExtractedLoadOrStore" in lp.attrs and not nested:  # an outer one counts its nested loops
+        select = _select_loop(lp)
+        if ("ExtractedLoadOrStore" in lp.attrs or select) and not nested:  # an outer one counts its nested loops
             res["discrete_loops"] += 1
+            res["select_loops"] += select
             if "hivm.parallel_loop" in lp.attrs:
                 res["parallel_loops"] += 1
             body = list(lp.all_ops())
@@ -154,7 +167,7 @@ def analyze_ir(ir: str, block_x: int | None = None) -> dict:
                 res["row_dma"] += copies
                 if hot:
                     res["row_dma_hot"] += copies
-            scalars = sum(1 for op in body if _SCALAR_ACCESS_RE.search(op))
+            scalars = sum(1 for op in body if _SCALAR_ACCESS_RE.search(op) and not (select and _INDEX_READ_RE.search(op)))
             res["scalar_hot" if hot else "scalar_row"] += scalars
         for op in lp.ops:
             if _VEC_INT_RE.search(op):
@@ -166,7 +179,7 @@ def analyze_ir(ir: str, block_x: int | None = None) -> dict:
     # scalar accesses in loops the adapter did not mark (none seen in 3.2.0, but count them)
     unmarked = 0
     for lp in loops:
-        if "ExtractedLoadOrStore" in lp.attrs:
+        if "ExtractedLoadOrStore" in lp.attrs or _select_loop(lp):
             continue
         if any("ExtractedLoadOrStore" in a.attrs for a in lp.ancestors()):
             continue

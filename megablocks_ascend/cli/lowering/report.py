@@ -167,11 +167,15 @@ def write_plans(path: str, results: list[dict], backend) -> None:
     p.write_text(json.dumps(head, sort_keys=True)[:-1] + ', "plans": [\n' + ",\n".join(lines) + "\n]}\n")
 
 
+TILE_CONSTEXPRS = ("BLOCK_M", "BLOCK_X", "BLOCK_K", "BLOCK_E", "CHUNK")  # a census entry's tile
+
+
 def write_census(path: str, results: list[dict], backend, digests: dict) -> None:
     """Merge the census of ``results`` into the JSON file ``path`` (``tests/data/ascend_census.json``,
     which a CPU test holds against the targets): per kernel and configuration, the figures, what the
-    targets need to know (NPU-chosen, inherent stores, int64) and the digest of the kernel's source
-    (``digests``: kernel name -> ``table.source_digest``), one entry per line."""
+    targets need to know (NPU-chosen, inherent stores, int64), its tile and planned UB bytes, and the
+    digest of the kernel's source (``digests``: kernel name -> ``table.source_digest``), one entry per
+    line."""
     p = Path(path)
     data = json.loads(p.read_text()) if p.is_file() else {}
     entries = {(e["kernel"], e["config"]): e for e in data.get("census", [])}
@@ -184,7 +188,8 @@ def write_census(path: str, results: list[dict], backend, digests: dict) -> None
         entries[(r["kernel"], r["config"])] = dict(
             kernel=r["kernel"], config=r["config"], axes=r["axes"], experts=r["experts"],
             npu_chosen=r["npu_chosen"], inherent_row_stores=r["inherent_row_stores"],
-            figures={k: r["census"][k] for k in keep}, digest=digests[r["kernel"]], status=r["status"])
+            figures={k: r["census"][k] for k in keep}, digest=digests[r["kernel"]], status=r["status"],
+            tile={k: r["constexprs"][k] for k in TILE_CONSTEXPRS if k in r["constexprs"]}, ub_plan=r.get("ub_plan"))
     head = dict(compiler=backend.compiler.describe() if backend else data.get("compiler"),
                 target=backend.targets[0] if backend else data.get("target"))
     lines = [json.dumps(e, sort_keys=True, separators=(",", ":"))

@@ -28,6 +28,12 @@ TOP_KS = (1, 2)
 BOOLS = (False, True)
 LAYOUTS = (0, 1, 2)  # routing.DROPLESS, PADDED, BINNED
 
+# Expert counts of the table's configurations at many experts (KernelSpec.many): DeepSeek-V3 has
+# 256 experts, Qwen3 128; the routing kernels an NPU runs must keep their tiles and per-row costs
+# there (tests/test_census.py holds the recorded census to it).
+MANY_EXPERTS = (64, 256)
+TOP_K_MANY = (1, 2, 8)  # top_k of those configurations (8: DeepSeek-V3's and Qwen3's)
+
 # The representative problem whose sizes fill the scalar arguments (their divisibility by 16
 # specialises the kernel the way the launcher's real call would).
 TOKENS = 4096
@@ -65,13 +71,16 @@ class Problem:
         return TOKENS * self.top_k
 
     @property
+    def layout(self) -> int:  # the LAYOUT axis; a row-mapped gather (MAPPED) stands for the padded layout
+        return self.axes.get("LAYOUT", 1 if self.axes.get("MAPPED") else 0)
+
+    @property
     def capacity(self) -> int:  # rows per expert of the binned layout, else 0
-        return self.positions // self.experts if self.axes.get("LAYOUT", 0) == 2 else 0
+        return self.positions // self.experts if self.layout == 2 else 0
 
     @property
     def rows(self) -> int:  # expert-major rows of the layout: dropless, padded, binned
-        layout = self.axes.get("LAYOUT", 0)
-        return {0: self.positions, 1: self.positions + PADDED_EXTRA, 2: self.experts * self.capacity}[layout]
+        return {0: self.positions, 1: self.positions + PADDED_EXTRA, 2: self.experts * self.capacity}[self.layout]
 
     def one_slot(self) -> "Problem":
         """The same problem with one slot per token (the ``top_k == 1`` kernels)."""
@@ -99,6 +108,12 @@ class KernelSpec:
     npu_chosen: bool = True
     inherent_row_stores: Callable[[dict], int] = lambda axes: 0  # PLACE (preparation): 0, 1 or 2
     variant: str | None = None  # a module holding a variant of the kernel, to gate in its place (--variant)
+    # The axes of its configurations at many experts (MANY_EXPERTS, and top_k 8 at EXPERTS too): a few
+    # values each, in the table beside the full product at EXPERTS (issue 33: tiles and per-row
+    # costs that do not grow with the expert count, held from the recorded census); None: none.
+    many: dict | None = None
+    # Which points of the axes the launchers can produce, given the derived constexprs too (None: all).
+    when: Callable[[dict], bool] | None = None
 
     def kernel(self):
         """The ``compat.Kernel`` this entry names (from ``variant`` when one is given)."""
@@ -127,7 +142,8 @@ def source_digest(spec: "KernelSpec") -> str:
         module = importlib.import_module(name)
         for attr in sorted(vars(module)):
             fn = getattr(getattr(module, attr), "fn", None)
-            if callable(fn) and getattr(fn, "__module__", None) == name:
+            # (under its own name only: an alias bound per Triton, routing._select_rows, is not code)
+            if callable(fn) and getattr(fn, "__module__", None) == name and getattr(fn, "__name__", attr) == attr:
                 parts.append(f"{name}.{attr}\n{code(fn)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -151,25 +167,38 @@ def _one_slot(p: Problem) -> dict:  # _scatter_one, _wgrad_one
 _ROUTING = dict(dtype=tuple(DTYPES), hidden=HIDDEN_SIZES)
 _ROW_TILE = ("BLOCK_M", "BLOCK_X", "EVEN_X")
 _ROW_TILE_E = ("BLOCK_M", "BLOCK_X", "BLOCK_E", "EVEN_X")  # and the bins' BLOCK_E
+_MANY_ROWS = dict(dtype=("bf16",), hidden=(1024,), INT64=(False,), SELECT=BOOLS)  # the row kernels' at many experts
+
+
+def _selectable(c: dict) -> bool:
+    """SELECT (rows loaded through triton-ascend's index_select_simd) only where the launchers set it:
+    int32 offsets and whole feature tiles (routing._select)."""
+    return not c["SELECT"] or (c["EVEN_X"] and not c["INT64"])
 ROUTING_KERNELS = (
-    KernelSpec("_gather", "gather", dict(_ROUTING, LAYOUT=LAYOUTS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
-               _ROW_TILE_E, ("x", "out", "weights"), True,
-               lambda p: dict(num_rows=p.rows, num_positions=p.positions, num_experts=p.experts, hidden=p.hidden,
-                              capacity=p.capacity)),
+    KernelSpec("_gather", "gather", dict(_ROUTING, MAPPED=BOOLS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS, SELECT=BOOLS),
+               _ROW_TILE, ("x", "out", "weights"), True,
+               lambda p: dict(num_rows=p.rows, map_rows=p.rows, num_positions=p.positions, hidden=p.hidden),
+               many=dict(_MANY_ROWS, MAPPED=BOOLS, TOP_K=TOP_K_MANY, SCALE=(True,)), when=_selectable),
     KernelSpec("_gather_tokens", "gather_tokens", dict(_ROUTING, LAYOUT=LAYOUTS, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
                _ROW_TILE_E, ("x", "out", "weights"), True,
                lambda p: dict(num_tokens=TOKENS, num_rows=p.rows, num_experts=p.experts, hidden=p.hidden,
                               capacity=p.capacity), unrolls_top_k=True, npu_chosen=False),
     KernelSpec("_route_map", None, dict(LAYOUT=LAYOUTS), ("BLOCK_M", "BLOCK_E"), (), False,
                lambda p: dict(num_positions=p.positions, num_experts=p.experts, capacity=p.capacity),
-               inherent_row_stores=lambda axes: 1),  # the inverse of a permutation: one store per position
-    KernelSpec("_scatter", "scatter", dict(_ROUTING, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS),
+               inherent_row_stores=lambda axes: 1,  # the inverse of a permutation: one store per position
+               many=dict(LAYOUT=LAYOUTS)),
+    KernelSpec("_row_map", None, dict(LAYOUT=(1, 2)), ("BLOCK_M", "BLOCK_E"), (), False,
+               lambda p: dict(num_rows=p.rows, num_experts=p.experts, capacity=p.capacity),
+               many=dict(LAYOUT=(1, 2))),
+    KernelSpec("_scatter", "scatter", dict(_ROUTING, TOP_K=TOP_KS, SCALE=BOOLS, INT64=BOOLS, SELECT=BOOLS),
                _ROW_TILE + ("BLOCK_K", "FLAT"), ("y", "out", "weights"), True,
-               lambda p: dict(num_tokens=TOKENS, num_rows=p.positions, hidden=p.hidden), unrolls_top_k=True),
+               lambda p: dict(num_tokens=TOKENS, num_rows=p.positions, hidden=p.hidden), unrolls_top_k=True,
+               many=dict(_MANY_ROWS, TOP_K=TOP_K_MANY, SCALE=(True,)), when=_selectable),
     KernelSpec("_scatter_one", "scatter_one", dict(_ROUTING, LAYOUT=LAYOUTS, SCALE=BOOLS, INT64=BOOLS),
                _ROW_TILE_E, ("y", "out", "weights"), True, _one_slot, npu_chosen=False),
-    KernelSpec("_wgrad", "wgrad", dict(_ROUTING, TOP_K=TOP_KS, INT64=BOOLS), _ROW_TILE, ("y", "grad", "out"), True,
-               lambda p: dict(num_slots=p.positions, num_rows=p.positions, hidden=p.hidden)),
+    KernelSpec("_wgrad", "wgrad", dict(_ROUTING, TOP_K=TOP_KS, INT64=BOOLS, SELECT=BOOLS), _ROW_TILE,
+               ("y", "grad", "out"), True, lambda p: dict(num_slots=p.positions, num_rows=p.positions, hidden=p.hidden),
+               many=dict(_MANY_ROWS, TOP_K=TOP_K_MANY), when=_selectable),
     KernelSpec("_wgrad_one", "wgrad", dict(_ROUTING, LAYOUT=LAYOUTS, INT64=BOOLS),
                _ROW_TILE_E, ("y", "grad", "out"), True, _one_slot, npu_chosen=False),
 )
@@ -187,15 +216,17 @@ ROUTES = (-1, 0, 1, 2)  # preparation.NO_ROUTE, then routing.DROPLESS, PADDED, B
 PLACES = (0, 1, 2)  # preparation.HISTOGRAM, ROUTING, SORT
 
 
-def prep_block_m(experts: int) -> int:
-    """The preparation's rows per tile on an NPU for ``experts`` experts."""
+def prep_block_m(experts: int, count: bool = False) -> int:
+    """The preparation's items per block on an NPU for ``experts`` experts: the placement's, or
+    (``count``) the count's."""
     from megablocks_ascend import devices  # noqa: PLC0415
-    return devices.prep_tile(experts, "npu").block_m
+    t = devices.prep_tile(experts, "npu")
+    return devices.prep_count_tile(t, devices.block_e(experts))[0] if count else t.block_m
 
 
 def _count(p: Problem) -> dict:
     from megablocks_ascend import devices  # noqa: PLC0415
-    block_m = prep_block_m(p.experts)
+    block_m = max(prep_block_m(p.experts), prep_block_m(p.experts, count=True))  # both kernels' blocks
     chunk = -(-p.positions // (PREP_PROGRAMS * block_m)) * block_m  # items per program, whole tiles
     block_p = devices.prep_block_p(PREP_PROGRAMS, devices.block_e(p.experts))
     table_rows = -(-PREP_PROGRAMS // block_p) * block_p  # the count table's rows, whole BLOCK_P tiles
@@ -203,12 +234,13 @@ def _count(p: Problem) -> dict:
 
 
 PREPARATION_KERNELS = (
-    KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E", "NPU_FORM"), ("keys",), False, _count,
-               module="preparation", hot_step="BLOCK_M"),
+    KernelSpec("_count", None, dict(index=PREP_INDEX_TYPES), ("BLOCK_M", "BLOCK_E", "NPU_FORM", "CHUNK"), ("keys",),
+               False, _count, module="preparation", hot_step="BLOCK_M", many=dict(index=("i32", "i64"))),
     KernelSpec("_place", None, dict(index=PREP_INDEX_TYPES, PLACE=PLACES, PADDED=BOOLS, ROUTE=ROUTES),
                ("BLOCK_M", "BLOCK_E", "BLOCK_P", "NPU_FORM"), ("keys",), False,
                lambda p: dict(_count(p), block=128, capacity=p.positions // p.experts),
-               module="preparation", hot_step="BLOCK_M", inherent_row_stores=lambda axes: axes["PLACE"]),
+               module="preparation", hot_step="BLOCK_M", inherent_row_stores=lambda axes: axes["PLACE"],
+               many=dict(index=("i64",), PLACE=(1,), PADDED=BOOLS, ROUTE=ROUTES)),
 )
 
 
