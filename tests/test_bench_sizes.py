@@ -91,7 +91,7 @@ def test_one_layer_lives_at_a_time(monkeypatch):
                               host_snapshot_bytes=0)
     lines = []
     rows = steps.run(variants, torch.device("cpu"), settings, "torch", lines.append)
-    assert len(alive) == 2 and all(r.get("ok") for r in rows), rows
+    assert len(alive) == len({v.family for v in variants}) == 3 and all(r.get("ok") for r in rows), rows  # (+ sparse)
     assert any(line.startswith("  [tiny dMoE] done in") for line in lines)
     assert any("parameters (" in line and "built in" in line for line in lines)
 
@@ -130,6 +130,8 @@ def test_bench_quick_judges_reduced_layers_and_reports_its_sections(tmp_path):
     assert all(r["precision_ok"] for r in judged)
     assert set(results["section_seconds"]) == {"steps"}
     assert any(line.startswith("[steps] precision tiny dMoE: a reduced layer of its family") for line in lines)
+    assert any(line.startswith("[steps] precision tiny dMoE-sparse: a reduced layer of its family, H=32 ffn=128")
+               for line in lines)
     plan.precision_full = True
     results = suite.run(plan, tmp_path, "q", plot_png=False, log=lambda s="": None)
     judged = [r for r in results["rows"] if r.get("precision")]
@@ -144,7 +146,9 @@ def test_the_default_bench_steps_on_cuda():
     assert {"dsv3", "qw3", "e256"} <= set(plan.configs)
     variants = suite.step_variants(plan, graph=True)
     assert {(v.backend, v.mode) for v in variants} == {(b, m) for b in ("ascend", "cuda") for m in ("eager", "graph")}
-    assert len(variants) == len(plan.configs) * 2 * 4
+    # dMoE and MoE, ours and upstream's, eager and graph; the sparse dMoE ours only (upstream refuses it)
+    assert len(variants) == len(plan.configs) * (2 * 4 + 2)
+    assert {(v.backend, v.mode) for v in variants if v.mlp_impl == "sparse"} == {("ascend", "eager"), ("ascend", "graph")}
     assert suite.step_backends("cuda") == ("ascend", "torch", "cuda")  # all three judged
     assert (plan.steps, plan.warmup, plan.profile_steps) == (10, 2, 1)
     # (elsewhere ours against the torch backend's step: tests/test_bench.py, a stand-in NPU)

@@ -747,13 +747,14 @@ PRECISION_FFN = 256
 
 
 def precision_config(c: dict, *, full: bool = False, max_params: int = PRECISION_FULL_PARAMS,
-                     hidden: int = PRECISION_HIDDEN, ffn: int = PRECISION_FFN) -> dict:
+                     hidden: int = PRECISION_HIDDEN, ffn: int = PRECISION_FFN, ffn_multiple: int = 1) -> dict:
     """The layer (H, ffn, E, k) the precision verdict of config ``c`` runs on (see above). The hidden
     size stays at least the expert count rounded up to 16 (the decisive router needs a feature per
-    expert)."""
+    expert), the ffn a multiple of ``ffn_multiple`` (the sparse MLP's 128-wide blocks)."""
     if full or 2 * c["E"] * c["H"] * c["ffn"] <= max_params:
         return dict(c)
-    return dict(c, H=max(min(c["H"], hidden), -(-c["E"] // 16) * 16), ffn=min(c["ffn"], ffn))
+    cut = -(-min(c["ffn"], ffn) // ffn_multiple) * ffn_multiple
+    return dict(c, H=max(min(c["H"], hidden), -(-c["E"] // 16) * 16), ffn=min(c["ffn"], cut))
 
 
 def precision_verdicts(config: str, layer: str, device: torch.device, tokens: int, configs: dict,

@@ -320,22 +320,24 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
     tokens = min(plan.tokens, plan.step_tokens_precision)
     for c in plan.configs if plan.precision_configs is None else [c for c in plan.configs
                                                                   if c in plan.precision_configs]:
-        on = steps.precision_config(plan.configs[c], full=plan.precision_full, **plan.precision_reduce)
-        judged_on[c] = dict(on, T=tokens, reduced=on != plan.configs[c])
         for layer, impl in STEP_LAYERS:
-            if impl == "sparse" and (plan.configs[c]["ffn"] % 128 or on["ffn"] % 128):
+            if impl == "sparse" and plan.configs[c]["ffn"] % 128:
                 continue
+            # (the sparse MLP's reduced layer keeps its ffn a whole number of 128-wide blocks)
+            reduce = dict(plan.precision_reduce, ffn_multiple=128) if impl == "sparse" else plan.precision_reduce
+            on = steps.precision_config(plan.configs[c], full=plan.precision_full, **reduce)
+            judged_on[(c, impl)] = dict(on, T=tokens, reduced=on != plan.configs[c])
             tv = time.perf_counter()
             try:
                 verdicts[(c, layer, impl)] = steps.precision_verdicts(
                     c, layer, plan.tensor_device, tokens, plan.configs,
                     tuple(b for b in names if impl == "grouped" or b != "cuda"), plan.dtype, impl,
-                    full=plan.precision_full, reduce=plan.precision_reduce)
+                    full=plan.precision_full, reduce=reduce)
             except Exception as e:  # noqa: BLE001
                 verdicts[(c, layer, impl)] = e
-            what = ("a reduced layer of its family" if judged_on[c]["reduced"] else "its own layer")
-            log(f"[steps] precision {c} {layer} {impl}: {what}, H={on['H']} ffn={on['ffn']} E={on['E']} "
-                f"top_k={on['k']}, {tokens} tokens ({time.perf_counter() - tv:.1f} s)")
+            what = ("a reduced layer of its family" if judged_on[(c, impl)]["reduced"] else "its own layer")
+            log(f"[steps] precision {c} {layer}{'-sparse' if impl == 'sparse' else ''}: {what}, H={on['H']} "
+                f"ffn={on['ffn']} E={on['E']} top_k={on['k']}, {tokens} tokens ({time.perf_counter() - tv:.1f} s)")
     if verdicts:
         log(f"[steps] precision verdicts in {time.perf_counter() - t1:.1f} s")
     rows = []
@@ -358,7 +360,7 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
         elif v is not None and r["mode"] == "eager":
             row["precision"] = [x.as_dict() for x in v[r["backend"]]]
             row["precision_ok"] = precision.all_ok(v[r["backend"]])
-            row["precision_layer"] = judged_on[r["config"]]
+            row["precision_layer"] = judged_on[(r["config"], r["mlp_impl"])]
         rows.append(row)
     return rows
 

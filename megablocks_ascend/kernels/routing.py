@@ -117,8 +117,6 @@ def _segments(bins, padded_bins, capacity, num_experts, LAYOUT: tl.constexpr, BL
     if LAYOUT == _PADDED:
         rend = tl.load(padded_bins + e, mask=e_mask, other=0).to(tl.int32)
         rstart = tl.load(padded_bins + prev, mask=has_prev, other=0).to(tl.int32)
-        if WALK == _PADDING:  # rows past the last segment (a buffer sized above padded_bins[-1]) are padding
-            rend = tl.where(e == num_experts - 1, tl.maximum(rend, num_items), rend)
     elif LAYOUT == _DROPLESS:
         rend = pend
         rstart = pstart
@@ -141,7 +139,8 @@ def _walk_table(e, e_mask, pstart, count, rstart, seg, num_experts, num_items,
         kend = pstart + kept
     elif WALK == _PADDING:  # items are rows, from each segment's first padding row
         begin = rstart + kept
-        end = rstart + seg
+        # (the rows past the last segment, in a buffer sized above padded_bins[-1], are padding too)
+        end = tl.where(e == num_experts - 1, tl.maximum(rstart + seg, num_items), rstart + seg)
         delta = pstart - rstart
         kend = begin
     else:  # items are every row, the last expert's segment reaching num_items (the map's rows)
