@@ -348,7 +348,8 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
         row = dict(section="steps", case=r["config"], item=f"{layer} {r['mode']}",
                    impl=IMPL_OF_BACKEND[r["backend"]], ms=r.get("wall_ms"), graph_ms=None,
                    host_ms=r.get("host_ms"), kernels=r.get("kernels"), launches=r.get("launches"),
-                   peak_mib=r.get("peak_mib"), mem_vs_upstream=r.get("mem_vs_up"),
+                   peak_mib=r.get("peak_mib"), mem_vs_upstream=r.get("mem_vs_up"), syncs=r.get("syncs"),
+                   vs_grouped=r.get("vs_grouped"),
                    check_ok=r.get("ok", False) and "error" not in r, err_vs_reference=r.get("err"))
         if "error" in r:
             row["error"] = r["error"]
