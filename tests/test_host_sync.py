@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import megablocks_ascend
+from graph_capture import capture_step
 from host_syncs import HostSyncs
 from megablocks_ascend import keeping, patching
 from megablocks_ascend.kernels import routing
@@ -377,6 +378,11 @@ def _needs_cuda(device):
 CAPTURED = ["dMoE-mlp", "dMoE-glu", "dMoE-mlp-memopt", "MoE"]
 
 
+def _reset(layer, x):
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+
+
 def _eager_reference(layer, args, x_value, backend):
     x = x_value.clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
@@ -399,19 +405,7 @@ def test_cuda_graph_captures_and_replays_a_training_step(name, backend, device):
     layer, args = _layer(name, torch.bfloat16, device)
     x = torch.randn(64, 2, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     with megablocks_ascend.use_backend(backend):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                layer.zero_grad(set_to_none=True)
-                x.grad = None
-                _step(layer, args, x)
-        torch.cuda.current_stream().wait_stream(side)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = _step(layer, args, x)
+        graph, static_out = capture_step(lambda: _step(layer, args, x), lambda: _reset(layer, x))
     static = [static_out] + _grads(layer, x)  # the graph writes these tensors on every replay
     for seed in (1, 2):
         value = torch.randn(x.shape, device=device, generator=torch.Generator(device).manual_seed(seed)).to(x.dtype)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import megablocks_ascend
+from graph_capture import capture_step
 from host_syncs import HostSyncs
 from megablocks_ascend import backends, envs, keeping, ops
 from megablocks_ascend.kernels import routing
@@ -356,21 +357,12 @@ def _needs_cuda(device):
 
 
 def _capture(layer, args, x):
-    """``torch.cuda.graph`` of one training step after three warm-up steps on a side stream; returns
-    the graph and the tensors it writes on every replay (output, input and parameter gradients)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            _step(layer, args, x)
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _step(layer, args, x)
+    """The graph of one training step (``graph_capture.capture_step``) and the tensors it writes on
+    every replay (output, input and parameter gradients)."""
+    def reset():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+    graph, out = capture_step(lambda: _step(layer, args, x), reset)
     return graph, [out, x.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
 
 
