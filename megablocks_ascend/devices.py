@@ -1,6 +1,7 @@
 """Device facts and the tile budget: how many programs a kernel launches and how big its tiles are.
 
-Everything that depends on the hardware is decided here, in one place.
+One idea: every hardware number the kernels use (grids, tiles, on-chip budgets, the forms each target
+runs) is decided here and nowhere else, so this module is as long as the kinds of kernels need.
 
 Targets
 -------
