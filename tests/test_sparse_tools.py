@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/run_stk_tests.py: --quick runs stk's own shipped tests (their smallest
+"""Smoke test of tools/run_stk_tests.py: --quick runs stk's own shipped tests (their smallest
 problem, every transpose) on CPU with our kernels and the torch reference serving them, and the
 int16-boundary section (refusal decisions, our kernels); it must prove who served the calls."""
 
@@ -17,7 +17,7 @@ def test_run_stk_tests_quick_cpu(tmp_path):
     pytest.importorskip("absl", reason="stk's shipped tests need absl-py (tools/bootstrap.sh installs it)")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     env.pop("OUT", None)
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run_stk_tests.py"), "--quick", "--boundary",
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "run_stk_tests.py"), "--quick", "--boundary",
                         "--backend", "ascend", "torch", "--out", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

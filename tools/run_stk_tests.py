@@ -21,8 +21,8 @@ wrong result. ``ascend`` is checked at the same shapes.
 
 Usage (GPU, ~1-2 min)::
 
-    PYTHONPATH=/tmp/site:$PWD python benchmarks/run_stk_tests.py --boundary --out OUT
-    python benchmarks/run_stk_tests.py --quick --out OUT   # CPU smoke test (interpreter, a few cases)
+    PYTHONPATH=/tmp/site:$PWD python tools/run_stk_tests.py --boundary --out OUT
+    python tools/run_stk_tests.py --quick --out OUT   # CPU smoke test (interpreter, a few cases)
 
 ``--quick`` runs the smallest problem of each test, every transpose, fp16 (12 cases; CPU tensors:
 the tests' ``torch.device("cuda")`` is redirected to the CPU for the run), and the boundary

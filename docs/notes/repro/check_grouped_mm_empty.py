@@ -25,10 +25,10 @@ on, calling ``torch._grouped_mm`` directly exactly as the stand-in does (``a.t()
            masked fill of earlier versions (``_legacy_full_fill``).
 
 Writes ``check_grouped_mm_empty.json`` (and ``.log``) under ``--out`` (default: ``$OUT`` if set,
-else benchmarks/results).
+else ``./bench-results``, which git ignores).
 
-    python benchmarks/check_grouped_mm_empty.py            # a GPU: about a minute
-    python benchmarks/check_grouped_mm_empty.py --quick    # CPU smoke test (torch's CPU kernel)
+    python docs/notes/repro/check_grouped_mm_empty.py            # a GPU: about a minute
+    python docs/notes/repro/check_grouped_mm_empty.py --quick    # CPU smoke test (torch's CPU kernel)
 """
 
 from __future__ import annotations
