@@ -61,7 +61,9 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor, chunk: int = REL_L2_CHUNK) -> float
     run before a benchmark times anything. Computed in float64 over ``chunk`` elements at a time,
     on the device of ``a`` (or of ``b`` when ``a`` is on the CPU: a result kept on the host), so no
     whole-tensor float64 copy is made: a DeepSeek-V3 layer's weight gradient has 3.8e9 elements,
-    28 GiB in float64."""
+    28 GiB in float64. A chunk crosses between host and device in its own dtype and is widened
+    where it lands (``Tensor.to(device, dtype)`` from the host widens on the host first: 4x the
+    bytes over the bus from a bfloat16 snapshot, and the host's time to widen them)."""
     if a.numel() != b.numel():
         raise ValueError(f"rel_l2: sizes differ, {tuple(a.shape)} and {tuple(b.shape)}")
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
@@ -70,8 +72,8 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor, chunk: int = REL_L2_CHUNK) -> float
     den = torch.zeros((), dtype=torch.float64, device=device)
     finite = torch.ones((), dtype=torch.bool, device=device)
     for i in range(0, a.numel(), chunk):
-        x = a[i:i + chunk].to(device=device, dtype=torch.float64)
-        y = b[i:i + chunk].to(device=device, dtype=torch.float64)
+        x = a[i:i + chunk].to(device).to(torch.float64)
+        y = b[i:i + chunk].to(device).to(torch.float64)
         finite &= torch.isfinite(x).all()
         num += (x - y).square().sum()
         den += y.square().sum()
