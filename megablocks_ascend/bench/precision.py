@@ -61,7 +61,9 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor, chunk: int = REL_L2_CHUNK) -> float
     run before a benchmark times anything. Computed in float64 over ``chunk`` elements at a time,
     on the device of ``a`` (or of ``b`` when ``a`` is on the CPU: a result kept on the host), so no
     whole-tensor float64 copy is made: a DeepSeek-V3 layer's weight gradient has 3.8e9 elements,
-    28 GiB in float64."""
+    28 GiB in float64. A chunk crosses between host and device in its own dtype and is widened
+    where it lands (``Tensor.to(device, dtype)`` from the host widens on the host first: 4x the
+    bytes over the bus from a bfloat16 snapshot, and the host's time to widen them)."""
     if a.numel() != b.numel():
         raise ValueError(f"rel_l2: sizes differ, {tuple(a.shape)} and {tuple(b.shape)}")
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
@@ -70,8 +72,8 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor, chunk: int = REL_L2_CHUNK) -> float
     den = torch.zeros((), dtype=torch.float64, device=device)
     finite = torch.ones((), dtype=torch.bool, device=device)
     for i in range(0, a.numel(), chunk):
-        x = a[i:i + chunk].to(device=device, dtype=torch.float64)
-        y = b[i:i + chunk].to(device=device, dtype=torch.float64)
+        x = a[i:i + chunk].to(device).to(torch.float64)
+        y = b[i:i + chunk].to(device).to(torch.float64)
         finite &= torch.isfinite(x).all()
         num += (x - y).square().sum()
         den += y.square().sum()
@@ -81,21 +83,42 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor, chunk: int = REL_L2_CHUNK) -> float
     return math.sqrt(num.item()) / (den_ if den_ > 0 else 1.0)
 
 
+# Elements per chunk of :func:`errors`: at most torch's intra-op grain size (32768), so each op
+# runs on one thread over float64 data that stays in a core's L2 cache. Larger chunks split every op
+# over the thread pool; on a busy host that was 10-30x slower (2 cores, 3.4e7 elements: 0.3-0.4 s at
+# 32768, 4-6 s at 65536 and above, 8-12 s for the whole tensor at once).
+ERRORS_CHUNK = 1 << 15
+
+
 def errors(actual: torch.Tensor, golden: torch.Tensor, floor: float) -> dict:
     """``{"MARE", "MERE", "RMSE", "nonfinite"}`` of ``actual`` against ``golden`` (same shape), over
     the elements where the golden is finite, relative errors over ``|golden| + floor``;
-    ``nonfinite`` counts the elements of ``actual`` that are not finite there."""
-    a = actual.detach().to("cpu", torch.float64).reshape(-1)
-    g = golden.detach().to("cpu", torch.float64).reshape(-1)
-    keep = torch.isfinite(g)
-    a, g = a[keep], g[keep]
-    bad = int((~torch.isfinite(a)).sum())
-    if a.numel() == 0:
+    ``nonfinite`` counts the elements of ``actual`` that are not finite there (their error is
+    infinite). Computed in float64 on the CPU, :data:`ERRORS_CHUNK` elements at a time."""
+    a, g = actual.detach().reshape(-1), golden.detach().reshape(-1)
+    f64 = torch.float64
+    worst, rel_sum, sq_sum = (torch.zeros((), dtype=f64) for _ in range(3))
+    kept = bad = 0
+    for i in range(0, a.numel(), ERRORS_CHUNK):
+        x = a[i:i + ERRORS_CHUNK].to("cpu", f64, copy=True)  # (written in place below)
+        y = g[i:i + ERRORS_CHUNK].to("cpu", f64, copy=True)
+        keep = torch.isfinite(y)
+        if not bool(keep.all()):
+            x, y = x[keep], y[keep]
+        kept += x.numel()
+        finite = torch.isfinite(x)
+        diff = x.sub_(y).abs_()
+        if not bool(finite.all()):
+            bad += int((~finite).sum())
+            diff.masked_fill_(~finite, math.inf)
+        if diff.numel():
+            sq_sum += diff.square().sum()
+            rel = diff.div_(y.abs_().add_(floor))
+            worst = torch.maximum(worst, rel.max())
+            rel_sum += rel.sum()
+    if kept == 0:
         return dict(MARE=0.0, MERE=0.0, RMSE=0.0, nonfinite=bad)
-    diff = (a - g).abs()
-    diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, math.inf))
-    rel = diff / (g.abs() + floor)
-    return dict(MARE=float(rel.max()), MERE=float(rel.mean()), RMSE=float(diff.square().mean().sqrt()),
+    return dict(MARE=float(worst), MERE=float(rel_sum) / kept, RMSE=math.sqrt(float(sq_sum) / kept),
                 nonfinite=bad)
 
 
