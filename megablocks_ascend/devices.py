@@ -568,8 +568,9 @@ CUDA_CUBE_TILES = {
 # gradients). Their K loops are short (one block column of one expert: ~2k deep at the mixtral-like
 # shape, against ~14k for the forward dsd). Kinds without an entry here use CUDA_CUBE_TILES. With
 # the addresses loaded at every K-step, 128 x 256 x 128 in 2 stages was the best (3.75 ms at the
-# mixtral-like shape, benchmarks/results/h200-bs2.log); with affine runs computed, the loads
-# pipeline and 128 x 256 x 64 in 3 stages takes 3.25 ms, the grouped GEMM's time.
+# mixtral-like shape, h200-bs2.log in benchmarks/results/2026-12-01-h200-blocksparse-steps/); with
+# affine runs computed, the loads pipeline and 128 x 256 x 64 in 3 stages takes 3.25 ms, the
+# grouped GEMM's time.
 CUDA_CUBE_TILES_TRANSPOSED: dict[str, tuple[CubeTile, CubeTile]] = {
     "dsd": (CubeTile(128, 256, 64, group=8, num_warps=8, num_stages=3, programs_per_sm=1, affine=True),
             CUDA_CUBE_TILES["dsd"][1]),

@@ -108,7 +108,7 @@ from megablocks_ascend.native.grouped_gemm.choice import (
     IMPL_GROUPED_MM,
     IMPL_LOOP,
     IMPL_NPU,
-    _cuda_fast_grouped_mm,  # benchmarks/check_grouped_mm_empty.py reads it here
+    _cuda_fast_grouped_mm,  # docs/notes/repro/check_grouped_mm_empty.py reads it here
     gmm_impl_name,
     takes_device_sizes,
 )
@@ -128,7 +128,7 @@ __all__ = [
     'IMPL_LOOP',
 ]
 
-# Benchmarks only (bench_steps.py --wgrad-fill full, benchmarks/check_grouped_mm_empty.py): the
+# Benchmarks only (bench_steps.py --wgrad-fill full, docs/notes/repro/check_grouped_mm_empty.py): the
 # guard of earlier versions, a masked fill that reads and writes the whole [E, M, N] result, for
 # before/after timings in one run. Read by empty_groups._zero_empty_device at each call.
 _legacy_full_fill = False

@@ -12,7 +12,7 @@ has the evidence):
   accumulator unwritten in CUTLASS's SM100 kernel (NVIDIA/cutlass#2674, fixed upstream in
   cutlass#2746, wrong gradients reported on B200 in pytorch/pytorch#172439, still open); its SM90
   mainloop asserts k_tile_count >= 1, an assert compiled out of release builds. Guarded;
-  benchmarks/check_grouped_mm_empty.py checks a GPU.
+  docs/notes/repro/check_grouped_mm_empty.py checks a GPU.
 * npu_grouped_matmul (group_type=2): its documentation says nothing about empty groups. Guarded.
 * the loop: zeroes them itself.
 
