@@ -11,6 +11,10 @@ Modules, top-down:
 ``steps``            the layer-step harness (``benchmarks/bench_steps.py``)
 ``routing_ops``      named shapes, one routing problem, minimal bytes, the implementations, the check
 ``launches``         one training step of MegaBlocks' layers, and what it launches
+``blocksparse``      the block-sparse matmuls against dense, grouped and stk's own kernels
+                     (``benchmarks/bench_blocksparse.py``)
+``host_profile``     where an eager step's host time goes, per backend (``benchmarks/profile_host.py``)
+``value_checks``     what ``MEGABLOCKS_ASCEND_CHECKS=1`` costs per call (``benchmarks/bench_checks.py``)
 ``expert_parallel_steps``  expert parallelism under ``torchrun``: parity, step, all-to-all and launch
                      figures per rank (``benchmarks/bench_expert_parallel.py``)
 ``expert_parallel``  the expert-parallel layer and the same layer in one process; the parity check

@@ -391,3 +391,18 @@ def breakdown(times, top=8):
     others = sorted(((t, n, name) for name, (t, n) in times.items() if not GEMM_KERNEL.search(name)), reverse=True)
     return dict(kernel_ms=total, gemm_ms=gemm, other_ms=total - gemm,
                 top_other=[dict(name=name[:300], ms=t, calls=n) for t, n, name in others[:top]])
+
+
+def wall_ms(fn: Callable, device: torch.device, repeat: int, warmup: int = 3) -> float:
+    """Median wall milliseconds of one call of ``fn`` and a synchronization of ``device`` (what a
+    caller that waits for the result pays, host and device together), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
