@@ -7,12 +7,14 @@ fields and columns.
     python benchmarks/bench_steps.py --only config=dsv3,qw3,e256   # today's fine-grained layers
     python benchmarks/bench_steps.py --only mode=compile,compile-ro --only config=qw128
     python benchmarks/bench_steps.py --quick               # CPU smoke test (interpreter)
+    python benchmarks/bench_steps.py --device npu          # an NPU: ours against the torch backend
     python benchmarks/bench_steps.py --only layer=dMoE --only mlp_type=mlp,glu --only wgrad_fill=empty,full
 
 A variant is one value of each field (config, layer, backend, mode, precision, mlp_impl, mlp_type,
 wgrad_fill); ``--only FIELD=V1,V2`` (repeatable; ``all`` takes every value) picks other values than
 the defaults. ``--quick`` runs tiny configs on the CPU with ``torch`` as the reference backend:
-it checks that the harness works, and measures nothing.
+it checks that the harness works, and measures nothing. Off CUDA (an NPU) the reference is the
+``torch`` backend and the default backends are ``ascend`` and ``torch`` (upstream's kernels need CUDA).
 """
 
 from __future__ import annotations

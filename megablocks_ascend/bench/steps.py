@@ -71,12 +71,14 @@ not work) is an error row with the exception, and the run goes on. Per row:
                no padding), divided by the copy rate ``routing_table.copy_ceiling`` measures
                at the start of the run; ``x floor`` = wall ms / floor ms;
 ``busy``       kernel ms / wall ms;
-``syncs``      host syncs per eager step, on any device: every read of device values into
-               Python, cross-device copy and data-dependent-size op in MegaBlocks' code and
-               ours (:class:`~megablocks_ascend.bench.instruments.HostSyncs`, what the CPU
-               host-sync tests use; on the CPU its tensors count as a device's); on CUDA the JSON
-               also has ``cuda_syncs``, the synchronizing CUDA calls torch's sync debug mode
-               reports (``torch.cuda.set_sync_debug_mode``), as a cross-check;
+``syncs``      host syncs per eager step, on any device: the events of
+               :class:`~megablocks_ascend.bench.instruments.HostSyncs` (what the host-sync tests
+               use): every read of device values into Python, cross-device copy and
+               data-dependent-size op in MegaBlocks' code and ours (a read the detector sees at
+               both its layers, as ``.item()``, is two events; on the CPU its tensors count as a
+               device's; 0: nothing in the step waits for the device, as graph capture needs);
+               on CUDA the JSON also has ``cuda_syncs``, the synchronizing CUDA calls torch's
+               sync debug mode reports (``torch.cuda.set_sync_debug_mode``), as a cross-check;
 ``launches``   per eager step, the aten ops that launch a device kernel plus the Triton launches
                (:class:`~megablocks_ascend.bench.instruments.LaunchCounter`: what the CPU regression
                test counts, on this device); ``--launches-by-line`` keeps each row's launches by
