@@ -18,7 +18,7 @@ column, it is not meant to be lean).
 Writes ``NAME.json`` (every launch with its line; the profiler's kernel names on CUDA) and
 ``NAME.md`` (the tables of docs/notes/launches-per-step.md) to ``--out``.
 ``--amp``: float32 parameters and the forward under ``torch.autocast(bfloat16)``.
-The default shape (E=16, top_k=4, 64 tokens, hidden 128, ffn 128, float32 on CPU and bf16 on CUDA) is
+The default shape (E=16, top_k=4, 64 tokens, hidden 128, ffn 128, float32 on CPU and bf16 on a device) is
 the regression test's with hidden 128, which stk's own kernels need (the count does not depend on it).
 """
 
@@ -52,7 +52,7 @@ def origin(where: str) -> str:
 
 
 def count(layer, backend, device, args):
-    dtype = torch.float32 if args.amp or device.type != "cuda" else torch.bfloat16
+    dtype = torch.float32 if args.amp or device.type == "cpu" else torch.bfloat16
     step = layer_step(layer, backend=backend, device=device, experts=args.experts, top_k=args.top_k,
                       tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, dtype=dtype,
                       amp=torch.bfloat16 if args.amp else None)
@@ -145,7 +145,7 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         env = report.environment(device)
         env.update(experts=args.experts, top_k=args.top_k, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
-                   precision="amp-bf16" if args.amp else ("bf16" if device.type == "cuda" else "float32"))
+                   precision="amp-bf16" if args.amp else ("float32" if device.type == "cpu" else "bf16"))
         (out / f"{args.name}.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
         (out / f"{args.name}.md").write_text(text + "\n")
     return 0
