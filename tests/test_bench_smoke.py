@@ -150,6 +150,25 @@ def test_bench_checks_quick_cpu(tmp_path):
     assert "checks on ms" in p.stdout
 
 
+def test_every_benchmark_script_is_a_front_over_the_harness():
+    """benchmarks/ holds command lines: each takes --device, and none carries its own device
+    timing, synchronization, profiling or environment code (megablocks_ascend.bench has them, for
+    an NPU, CUDA and the CPU alike)."""
+    import ast  # noqa: PLC0415
+    own = {"torch.cuda.synchronize", "torch.cuda.Event", "torch.cuda.set_sync_debug_mode", "triton.testing.do_bench",
+           "torch.profiler", "platform"}
+    scripts = sorted((REPO / "benchmarks").glob("*.py"))
+    assert scripts
+    for path in scripts:
+        tree = ast.parse(path.read_text())
+        used = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
+        calls = {(ast.unparse(n.func), *(ast.unparse(a) for a in n.args)) for n in ast.walk(tree)
+                 if isinstance(n, ast.Call)}
+        assert ("ap.add_argument", "'--device'") in calls or ("p.add_argument", "'--device'") in calls, path.name
+        assert not used & own, (path.name, used & own)
+        assert ("torch.device", "'cuda'") not in calls, path.name
+
+
 def test_bench_targets_are_judged_on_device_times():
     """The routing table's targets (judged on a GPU; on a CPU bench_routing does not judge them)."""
     from megablocks_ascend.bench import routing_table as rt
