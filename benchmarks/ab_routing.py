@@ -292,10 +292,11 @@ def main(argv=None):
     ap.add_argument("--host", action="store_true", help="host time per call and do_bench repeatability")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes for --baseline")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on CPU: a smoke test of this script")
+    ap.add_argument("--device", default=None, help=routing_ops.DEVICE_HELP)
     ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="ab_routing")
     args = ap.parse_args(argv)
-    device = routing_ops.setup()
+    device = routing_ops.setup(args.device)
     if device.type != "cuda" and not args.quick:
         ap.error("needs a CUDA GPU (or --quick)")
     TIMED[0] = device.type != "cpu"

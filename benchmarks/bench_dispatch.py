@@ -247,12 +247,13 @@ def table(rows, log, title):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="few calls (CPU smoke test)")
+    ap.add_argument("--device", default=None, help=routing_ops.DEVICE_HELP)
     ap.add_argument("--stub", action="store_true", help="launches replaced by a no-op (default without a GPU)")
     ap.add_argument("--calls", type=int, default=None, help="calls per timed run")
     ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_dispatch")
     args = ap.parse_args(argv)
-    device = routing_ops.setup()
+    device = routing_ops.setup(args.device)
     # Without a GPU the launch can only be stubbed; on a GPU both: real launches (what a step
     # pays) and stubbed (the Python above Triton's launcher, comparable with a CPU run).
     modes = ["stub"] if args.stub or device.type == "cpu" else ["launch", "stub"]

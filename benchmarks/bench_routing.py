@@ -70,6 +70,7 @@ from megablocks_ascend.bench import routing_table as rt
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--device", default=None, help=routing_ops.DEVICE_HELP)
     ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_routing", help="basename of the JSON and PNG")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
@@ -89,9 +90,9 @@ def main(argv=None):
         rt.large_child(args.large_child.split(","), args.large_out, json.loads(args.large_shape))
         return 0
 
-    device = routing_ops.setup()
+    device = routing_ops.setup(args.device)
     if device.type == "cpu" and not args.quick:
-        ap.error("without a GPU only --quick runs (Triton interpreter)")
+        ap.error("on the CPU only --quick runs (Triton interpreter)")
     shapes = routing_ops.QUICK_SHAPES if args.quick else routing_ops.SHAPES
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}

@@ -7,12 +7,14 @@ fields and columns.
     python benchmarks/bench_steps.py --only config=dsv3,qw3,e256   # today's fine-grained layers
     python benchmarks/bench_steps.py --only mode=compile,compile-ro --only config=qw128
     python benchmarks/bench_steps.py --quick               # CPU smoke test (interpreter)
+    python benchmarks/bench_steps.py --device npu          # an NPU: ours against the torch backend
     python benchmarks/bench_steps.py --only layer=dMoE --only mlp_type=mlp,glu --only wgrad_fill=empty,full
 
 A variant is one value of each field (config, layer, backend, mode, precision, mlp_impl, mlp_type,
 wgrad_fill); ``--only FIELD=V1,V2`` (repeatable; ``all`` takes every value) picks other values than
 the defaults. ``--quick`` runs tiny configs on the CPU with ``torch`` as the reference backend:
-it checks that the harness works, and measures nothing.
+it checks that the harness works, and measures nothing. Off CUDA (an NPU) the reference is the
+``torch`` backend and the default backends are ``ascend`` and ``torch`` (upstream's kernels need CUDA).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megablocks_ascend.bench import report, routing_ops, routing_table, steps
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (smoke test)")
+    ap.add_argument("--device", default=None, help=routing_ops.DEVICE_HELP)
     ap.add_argument("--only", action="append", default=[], metavar="FIELD=V1,V2",
                     help="pick values of a field (repeatable); see the module doc")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
@@ -45,9 +48,11 @@ def main(argv=None):
                     help="results kept to compare later rows with go to the host above this size (default "
                          f"{steps.HOST_SNAPSHOT_BYTES >> 20} MiB: a DeepSeek-V3 layer's gradients are 15 GB)")
     args = ap.parse_args(argv)
-    device = routing_ops.setup()
+    device = routing_ops.setup(args.device)
     if device.type == "cpu" and not args.quick:
-        ap.error("without a GPU only --quick runs (Triton interpreter)")
+        ap.error("on the CPU only --quick runs (Triton interpreter)")
+    if device.type != "cuda" and not any(term.startswith("backend=") for term in args.only):
+        args.only.append("backend=ascend,torch")  # upstream's kernels (the cuda backend) need CUDA
     variants = steps.select(args.only, args.quick)
     settings = steps.Settings(configs=steps.QUICK_CONFIGS if args.quick else steps.CONFIGS,
                               tokens=steps.QUICK_TOKENS if args.quick else steps.TOKENS,
@@ -55,7 +60,7 @@ def main(argv=None):
                               warmup=min(args.warmup, 1) if args.quick else args.warmup,
                               profile_steps=args.profile_steps, launches_by_line=args.launches_by_line,
                               host_snapshot_bytes=int(args.host_snapshot_mib * 2**20))
-    reference_backend = "torch" if device.type == "cpu" else "cuda"
+    reference_backend = "cuda" if device.type == "cuda" else "torch"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log, lines = report.logger()
@@ -63,7 +68,8 @@ def main(argv=None):
     env.update(tokens=settings.tokens, steps=settings.steps, warmup=settings.warmup,
                profile_steps=settings.profile_steps, reference_backend=reference_backend,
                kernel_time="torch.profiler, CUDA kernels + memcpy/memset",
-               launches="megablocks_ascend.bench.launches LaunchCounter: aten ops that launch a kernel + Triton launches",
+               launches="megablocks_ascend.bench.instruments LaunchCounter: aten ops that launch a kernel + Triton launches",
+               syncs="megablocks_ascend.bench.instruments HostSyncs: host reads of device values per eager step",
                wall_time="device events at each step's start (median)")
     ceiling = routing_table.copy_ceiling(device, quick=args.quick)
     settings.ceiling_gbps = ceiling["GBps"]
@@ -91,9 +97,6 @@ def main(argv=None):
     log(steps.top_table(results["rows"]))
     (out_dir / f"{args.name}.log").write_text("\n".join(lines) + "\n")
     return 0
-
-
-
 
 
 if __name__ == "__main__":

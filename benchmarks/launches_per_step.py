@@ -18,7 +18,7 @@ column, it is not meant to be lean).
 Writes ``NAME.json`` (every launch with its line; the profiler's kernel names on CUDA) and
 ``NAME.md`` (the tables of docs/notes/launches-per-step.md) to ``--out``.
 ``--amp``: float32 parameters and the forward under ``torch.autocast(bfloat16)``.
-The default shape (E=16, top_k=4, 64 tokens, hidden 128, ffn 128, float32 on CPU and bf16 on CUDA) is
+The default shape (E=16, top_k=4, 64 tokens, hidden 128, ffn 128, float32 on CPU and bf16 on a device) is
 the regression test's with hidden 128, which stk's own kernels need (the count does not depend on it).
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import megablocks_ascend  # noqa: F401  (before megablocks and triton)
 import torch
 
-from megablocks_ascend.bench import report, routing_ops
+from megablocks_ascend.bench import report, routing_ops, timing
 from megablocks_ascend.bench.launches import LAYERS, count_step, layer_step
 
 BACKENDS = ("ascend", "upstream", "torch")
@@ -44,27 +44,15 @@ def origin(where: str) -> str:
     (torch's backward of a forward line), ``step`` (the training step itself) or ``other``."""
     if where.startswith("autograd "):
         return "autograd"
-    for prefix, name in (("megablocks_ascend/bench/launches.py", "step"), ("tests/launch_counts.py", "step"),
-                         ("megablocks_ascend/", "ours"), ("megablocks/", "MegaBlocks"), ("stk/", "stk")):
+    for prefix, name in (("megablocks_ascend/bench/launches.py", "step"), ("megablocks_ascend/", "ours"),
+                         ("megablocks/", "MegaBlocks"), ("stk/", "stk")):
         if where.startswith(prefix):
             return name
     return "other"
 
 
-def profile_kernels(step, steps=3):
-    """CUDA kernels (and memcpy/memset) per step, by name, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {name: n / steps for name, n in names.most_common()}
-
-
 def count(layer, backend, device, args):
-    dtype = torch.float32 if args.amp or device.type != "cuda" else torch.bfloat16
+    dtype = torch.float32 if args.amp or device.type == "cpu" else torch.bfloat16
     step = layer_step(layer, backend=backend, device=device, experts=args.experts, top_k=args.top_k,
                       tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, dtype=dtype,
                       amp=torch.bfloat16 if args.amp else None)
@@ -72,7 +60,9 @@ def count(layer, backend, device, args):
     row = dict(layer=layer, backend=backend, total=counted.total, aten=counted.aten, triton=counted.triton,
                launches=[dict(name=e.name, where=e.where, origin=origin(e.where)) for e in counted.events])
     if device.type == "cuda":
-        kernels = profile_kernels(step)
+        timing.synchronize(device)
+        per_step = timing.kernel_times(step, device, steps=3)  # {name: (ms, launches)} per step
+        kernels = {name: n for name, (_, n) in sorted(per_step.items(), key=lambda kv: -kv[1][1])}
         row["cuda_kernels"] = sum(kernels.values())
         row["cuda_kernel_names"] = kernels
     return row
@@ -128,8 +118,9 @@ def main(argv=None):
                     help="float32 parameters, the forward under torch.autocast(bfloat16)")
     ap.add_argument("--out", default=None, help="directory for NAME.json and NAME.md (default: print only)")
     ap.add_argument("--name", default="launches_per_step")
+    ap.add_argument("--device", default=None, help=routing_ops.DEVICE_HELP)
     args = ap.parse_args(argv)
-    device = routing_ops.setup()
+    device = routing_ops.setup(args.device)
     layers = args.layers.split(",")
     backends = args.backends.split(",")
     for value, known in ((layers, LAYERS), (backends, BACKENDS)):
@@ -154,7 +145,7 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         env = report.environment(device)
         env.update(experts=args.experts, top_k=args.top_k, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
-                   precision="amp-bf16" if args.amp else ("bf16" if device.type == "cuda" else "float32"))
+                   precision="amp-bf16" if args.amp else ("float32" if device.type == "cpu" else "bf16"))
         (out / f"{args.name}.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
         (out / f"{args.name}.md").write_text(text + "\n")
     return 0

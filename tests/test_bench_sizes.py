@@ -60,16 +60,16 @@ def test_kept_results_go_to_the_host_past_the_limit():
 
 
 def test_precision_verdicts_run_on_a_reduced_layer_of_the_same_family():
-    dsv3 = steps.precision_config(steps.CONFIGS["dsv3"])
-    assert dsv3 == dict(H=steps.PRECISION_HIDDEN, ffn=steps.PRECISION_FFN, E=256, k=8)
-    assert steps.precision_config(steps.CONFIGS["dsv3"], full=True) == steps.CONFIGS["dsv3"]
-    e1k = steps.precision_config(dict(H=4096, ffn=4096, E=1000, k=4))
+    dsv3 = precision.precision_config(steps.CONFIGS["dsv3"])
+    assert dsv3 == dict(H=precision.PRECISION_HIDDEN, ffn=precision.PRECISION_FFN, E=256, k=8)
+    assert precision.precision_config(steps.CONFIGS["dsv3"], full=True) == steps.CONFIGS["dsv3"]
+    e1k = precision.precision_config(dict(H=4096, ffn=4096, E=1000, k=4))
     assert e1k["H"] == 1008 and e1k["E"] == 1000  # a feature per expert for the decisive router
     tiny = dict(H=64, ffn=128, E=4, k=2)
-    assert steps.precision_config(tiny) == tiny  # small layers are judged as they are
-    assert steps.precision_config(tiny, max_params=1 << 10, hidden=32, ffn=16) == dict(H=32, ffn=16, E=4, k=2)
+    assert precision.precision_config(tiny) == tiny  # small layers are judged as they are
+    assert precision.precision_config(tiny, max_params=1 << 10, hidden=32, ffn=16) == dict(H=32, ffn=16, E=4, k=2)
     for c in steps.CONFIGS.values():  # every default config's verdict is a layer a CPU steps in seconds
-        on = steps.precision_config(c)
+        on = precision.precision_config(c)
         assert (on["E"], on["k"]) == (c["E"], c["k"]) and 2 * on["E"] * on["H"] * on["ffn"] <= 1 << 28
 
 

@@ -97,10 +97,7 @@ def test_bench_blocksparse_quick_cpu(tmp_path):
 def test_bench_blocksparse_goes_on_after_a_faulting_child(tmp_path, monkeypatch):
     """stk_runs: a child that faults on a call (its CUDA context gone) is replaced by a new one for
     the calls left; a child that dies without a word is charged with the call it was on."""
-    import importlib.util  # noqa: PLC0415
-    spec = importlib.util.spec_from_file_location("bench_blocksparse", REPO / "benchmarks" / "bench_blocksparse.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from megablocks_ascend.bench import blocksparse as bench  # noqa: PLC0415
     script = [  # what each successive child writes, and its exit status
         ([dict(shape="s", call="a", ok=True, ms=1.0),
           dict(shape="s", call="b", ok=False, crashed=True, error="RuntimeError: CUDA error: illegal address")], 3),
@@ -135,6 +132,41 @@ def test_profile_host_quick_cpu(tmp_path):
     results = json.loads((tmp_path / "profile_host.json").read_text())["results"]
     assert set(results) == {"torch", "ascend"}
     assert all(r["host_ms_per_step"] > 0 and r["top"] for r in results.values())
+
+
+def test_bench_checks_quick_cpu(tmp_path):
+    """benchmarks/bench_checks.py at a tiny routing: each op timed with the checks off and on, the
+    table printed, the environment and the rows in the JSON."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    out = tmp_path / "checks.json"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_checks.py"), "--backend", "ascend",
+                        "--tokens", "32", "--hidden", "32", "--experts", "4", "--repeat", "1", "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["environment"]["device"].startswith("cpu")
+    assert [r["op"] for r in report["results"]] == ["binned_gather", "gather", "scatter"]
+    assert all(r["ms_checks_off"] > 0 and r["ms_checks_on"] > 0 for r in report["results"])
+    assert "checks on ms" in p.stdout
+
+
+def test_every_benchmark_script_is_a_front_over_the_harness():
+    """benchmarks/ holds command lines: each takes --device, and none carries its own device
+    timing, synchronization, profiling or environment code (megablocks_ascend.bench has them, for
+    an NPU, CUDA and the CPU alike)."""
+    import ast  # noqa: PLC0415
+    own = {"torch.cuda.synchronize", "torch.cuda.Event", "torch.cuda.set_sync_debug_mode", "triton.testing.do_bench",
+           "torch.profiler", "platform"}
+    scripts = sorted((REPO / "benchmarks").glob("*.py"))
+    assert scripts
+    for path in scripts:
+        tree = ast.parse(path.read_text())
+        used = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Name))}
+        calls = {(ast.unparse(n.func), *(ast.unparse(a) for a in n.args)) for n in ast.walk(tree)
+                 if isinstance(n, ast.Call)}
+        assert ("ap.add_argument", "'--device'") in calls or ("p.add_argument", "'--device'") in calls, path.name
+        assert not used & own, (path.name, used & own)
+        assert ("torch.device", "'cuda'") not in calls, path.name
 
 
 def test_bench_targets_are_judged_on_device_times():

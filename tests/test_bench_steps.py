@@ -46,6 +46,8 @@ def test_bench_steps_quick_cpu(tmp_path):
         assert r["ok"] and r["wall_ms"] > 0 and r["vs_up"] > 0
         if r["backend"] == "ascend":
             assert 0 <= r["err"] <= 2e-2  # checked against the reference before it was timed
+    # host syncs per eager step, counted on the CPU too (the detector the host-sync tests use): none
+    assert all(r["syncs"] == 0 for r in eager), [(r["layer"], r["backend"], r["syncs"]) for r in eager]
     # launches per eager step (the CPU counter): ours well under the plain-PyTorch reference's
     launches = {(r["layer"], r["backend"]): r["launches"] for r in eager}
     for layer in ("dMoE", "MoE"):
@@ -56,6 +58,19 @@ def test_bench_steps_quick_cpu(tmp_path):
     assert {r["backend"] for r in sparse if r["mode"] == "eager" and r.get("ok")} == {"ascend", "torch"}
     assert all("needs graph capture" in r["error"] for r in sparse if r["mode"] == "graph")
     assert not any(r["layer"] == "MoE" and r["mlp_impl"] == "sparse" for r in rows)  # no such variant
+
+
+def test_a_steps_instruments_count_on_any_device():
+    """The step rows' launches and syncs come from the harness's instruments, which count on the
+    CPU as on a device: one ``.item()`` is seen by both of the detector's layers."""
+    import torch  # noqa: PLC0415
+
+    from megablocks_ascend.bench import instruments  # noqa: PLC0415
+    cpu, x = torch.device("cpu"), torch.ones(4)
+    assert instruments.count_syncs(lambda: x.sum().item(), cpu) == 2  # Tensor.item, aten._local_scalar_dense
+    assert instruments.count_syncs(lambda: x.sum(), cpu) == 0
+    assert instruments.count_launches(lambda: x + 1, cpu) == (1, None)
+    assert instruments.count_cuda_syncs(lambda: None, cpu) is None  # the cross-check is CUDA's
 
 
 def test_launches_per_step_quick_cpu(tmp_path):

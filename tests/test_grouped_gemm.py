@@ -606,8 +606,8 @@ needs_cpu_grouped_mm = pytest.mark.skipif(
 
 
 def _no_host_reads(fn):
-    """Run ``fn`` and fail on any read of tensor values into Python (see tests/support/host_syncs.py)."""
-    from host_syncs import HostSyncs
+    """Run ``fn`` and fail on any read of tensor values into Python (``bench.instruments.HostSyncs``)."""
+    from megablocks_ascend.bench.instruments import HostSyncs  # noqa: PLC0415
     with HostSyncs() as syncs:
         out = fn()
     assert not syncs.events, syncs.report()

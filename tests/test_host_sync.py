@@ -1,7 +1,7 @@
 """A MoE / dMoE training step without host syncs, and what still syncs.
 
-The check (``tests/support/host_syncs.py``) fails on any read of tensor values into Python, any
-cross-device copy and any op whose output size depends on the data. On CPU, where such reads cost
+The check (``HostSyncs``, ``megablocks_ascend/bench/instruments.py``) fails on any read of tensor
+values into Python, any cross-device copy and any op whose output size depends on the data. On CPU, where such reads cost
 nothing, it counts CPU tensors as device tensors, so that a ``.cpu()`` or ``.tolist()`` that would
 stall an accelerator is caught here too; the same test runs on CUDA
 (``MEGABLOCKS_ASCEND_TEST_DEVICE=cuda TRITON_INTERPRET=0``), where it also captures the step in a
@@ -16,8 +16,8 @@ import torch
 
 import megablocks_ascend
 from graph_capture import capture_step
-from host_syncs import HostSyncs
 from megablocks_ascend import keeping, patching
+from megablocks_ascend.bench.instruments import HostSyncs
 from megablocks_ascend.kernels import routing
 from megablocks_ascend.native import grouped_gemm
 from megablocks_ascend.patching import grouped_mlp_device_sizes, registry

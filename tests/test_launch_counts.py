@@ -3,7 +3,7 @@
 For MegaBlocks' unchanged ``MoE``, grouped ``dMoE`` and sparse ``dMoE``, one training step
 (:func:`megablocks_ascend.bench.launches.layer_step`: forward, load-balancing loss, backward) is
 run on CPU tensors with ``MEGABLOCKS_BACKEND=ascend`` and counted by
-:class:`~megablocks_ascend.bench.launches.LaunchCounter`: every aten op that would launch a
+:class:`~megablocks_ascend.bench.instruments.LaunchCounter`: every aten op that would launch a
 device kernel (views, allocations and the Triton interpreter's own copies excluded) plus every
 Triton kernel launch. On an NPU each of those is at least one launch (an aclnn op through
 torch_npu, or a triton-ascend kernel), so a step that grows here grows there.
@@ -21,7 +21,8 @@ import warnings
 import pytest
 import torch
 
-from megablocks_ascend.bench.launches import LaunchCounter, count_step, layer_step, upstream_kernels
+from megablocks_ascend.bench.instruments import LaunchCounter
+from megablocks_ascend.bench.launches import count_step, layer_step, upstream_kernels
 from megablocks_ascend.native import grouped_gemm
 
 # The grouped GEMM stand-in runs torch._grouped_mm on CPU tensors from torch 2.9 (one op per GEMM,

@@ -627,7 +627,7 @@ def test_the_preparations_bins_serve_the_grouped_gemms_as_group_ends(backend, mo
     GEMM (no clamp / cumsum / cast of the sizes), equal the float64 reference, and the weight
     gradient of the empty expert is exactly zero. An in-place change of ``bins`` or of the sizes,
     GEMMs over another number of rows, and a graph capture all compute their own ends again."""
-    from megablocks_ascend.bench.launches import LaunchCounter  # noqa: PLC0415
+    from megablocks_ascend.bench.instruments import LaunchCounter  # noqa: PLC0415
 
     ids = torch.tensor([[3, 0], [0, 3], [1, 3], [3, 1], [0, 1]])  # expert 2 gets nothing
     with backends.use_backend(backend):

@@ -2,9 +2,9 @@
 upstream's exact sizes, a bound that holds for any routing, and the switch back
 (``MEGABLOCKS_ASCEND_SPARSE_SIZES=exact``) with its capture error.
 
-The host-sync check is ``tests/support/host_syncs.py``'s (every read of device values into Python, every
-cross-device copy, every data-dependent-size op, in MegaBlocks' code and ours; on CPU, CPU tensors
-count as device tensors). Graph capture itself needs CUDA: ``tests/test_host_sync.py`` captures the
+The host-sync check is ``HostSyncs``' (``megablocks_ascend/bench/instruments.py``: every read of
+device values into Python, every cross-device copy, every data-dependent-size op, in MegaBlocks'
+code and ours; on CPU, CPU tensors count as device tensors). Graph capture itself needs CUDA: ``tests/test_host_sync.py`` captures the
 sparse step there, and BENCHMARKS.md has the H200's runs.
 """
 
@@ -17,8 +17,8 @@ import torch
 
 import megablocks_ascend
 from graph_capture import capture_step
-from host_syncs import HostSyncs
 from megablocks_ascend import backends, envs, keeping, ops
+from megablocks_ascend.bench.instruments import HostSyncs
 from megablocks_ascend.kernels import routing
 from megablocks_ascend.patching import registry, sparse_static_sizes
 from megablocks_ascend.validation import RoutingArgumentError

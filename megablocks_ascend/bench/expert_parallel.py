@@ -16,7 +16,7 @@ once with the ``torch`` backend (plain PyTorch):
   MegaBlocks' ``1 / world`` expert-parallel gradient scale (``MLP.gradient_scale``);
 * the gradients of the weights every rank holds whole (router, output bias), summed over ranks.
 
-Both runs take the same decisions: the router is made decisive (``steps.decisive_router``: no two
+Both runs take the same decisions: the router is made decisive (``precision.decisive_router``: no two
 logits of a token close, in any precision), and the full ``MoE`` gets the capacity factor that gives
 it the expert-parallel layer's capacity per expert (MegaBlocks computes the latter from the
 assignments over all ranks, ``top_k`` times the tokens), so both drop the same assignments: the
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megablocks_ascend import backends
-from megablocks_ascend.bench.precision import rel_l2
-from megablocks_ascend.bench.steps import backend_env, decisive_router
+from megablocks_ascend.bench.layers import backend_env
+from megablocks_ascend.bench.precision import decisive_router, rel_l2
 
 LAYERS = ("MoE", "dMoE-grouped", "dMoE-sparse")
 # precision -> (parameter and input dtype, autocast dtype or None)

@@ -20,7 +20,7 @@ then for each backend:
             (``torch.profiler``; it includes waiting for the slowest rank);
 ``kernels`` per rank and step, the CUDA kernels ``torch.profiler`` records (CUDA only), and
             ``launches``: the aten ops that launch a kernel, the Triton launches and the
-            collectives (:class:`~megablocks_ascend.bench.launches.LaunchCounter`, every device).
+            collectives (:class:`~megablocks_ascend.bench.instruments.LaunchCounter`, every device).
 
 The backends: ours (``ascend``) against upstream's kernels (``cuda``) on CUDA, against the
 ``torch`` backend elsewhere (``--backends``), in the same process on the same weights. At N = 1 each
@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from megablocks_ascend.bench import expert_parallel as ep_check
 from megablocks_ascend.bench import timing
-from megablocks_ascend.bench.launches import LaunchCounter
-from megablocks_ascend.bench.steps import backend_env, kernel_times, time_steps
+from megablocks_ascend.bench.instruments import LaunchCounter
+from megablocks_ascend.bench.layers import backend_env
 
 PG_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 COMM_KERNEL = re.compile(r"nccl|hccl|alltoall|all_to_all|sendrecv", re.IGNORECASE)
@@ -168,9 +168,9 @@ def measure(run, device: torch.device, s: Settings) -> dict:
     timing.synchronize(device)
     dist.barrier()
     out = {}
-    out["wall_ms"], out["host_ms"] = time_steps(run, device, s.steps)
+    out["wall_ms"], out["host_ms"] = timing.time_steps(run, device, s.steps)
     dist.barrier()
-    times = kernel_times(run, device, s.profile_steps) if s.profile_steps else {}
+    times = timing.kernel_times(run, device, s.profile_steps) if s.profile_steps else {}
     if times:
         out["kernels"] = sum(n for _, n in times.values())
         out["kernel_ms"] = sum(t for t, _ in times.values())

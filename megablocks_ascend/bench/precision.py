@@ -197,3 +197,116 @@ def table(rows) -> str:
         lines.append(f"{label[:44]:44s} {v.tensor[:26]:26s} {v.dtype:8s} {r['MARE']:10.3g} {r['MERE']:10.3g} "
                      f"{r['RMSE']:10.3g}  {'ok' if v.ok else 'FAIL ' + v.why}")
     return "\n".join(lines)
+
+
+def rel_err(got, want) -> float:
+    """The largest relative L2 error of ``got``'s tensors against ``want``'s (chunked: no whole-tensor
+    float64 or float32 copy; either side may be kept on the host, :func:`~megablocks_ascend.bench.steps.snapshot`)."""
+    worst = 0.0
+    for a, b in zip(got, want):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                return float("inf")
+            continue
+        worst = max(worst, rel_l2(a, b))
+    return worst
+
+
+# ------------------------------------------------------------------------------------------
+# The precision verdict of a training step
+
+
+def decisive_router(layer, x: torch.Tensor, num_experts: int) -> None:
+    """Make the router's choice the same in every precision: its weight becomes the identity on the
+    first ``num_experts`` features of the input, and those features of each token a random
+    permutation of the levels 0, 0.5, 1, ... (exact in bfloat16 and in every product and sum of the
+    router's matmul), so that no two logits of a token are close and float32, bfloat16 and the
+    device pick the same experts (a near tie resolved differently would send a token to another
+    expert, an error no precision verdict could read). What is left to compare is what follows the
+    choice: the router's weights, the routing, the experts, the gradients."""
+    if x.shape[-1] < num_experts:
+        raise ValueError(f"decisive_router: hidden size {x.shape[-1]} < {num_experts} experts")
+    w = layer.router.layer.weight
+    gen = torch.Generator().manual_seed(3)
+    levels = torch.stack([torch.randperm(num_experts, generator=gen) for _ in range(x.shape[0] * x.shape[1])])
+    with torch.no_grad():
+        w.zero_()
+        w[:, :num_experts].copy_(torch.eye(num_experts, dtype=w.dtype, device=w.device))
+        x.view(-1, x.shape[-1])[:, :num_experts].copy_((levels * 0.5).to(x.dtype))
+
+
+def named_results(layer, x, y) -> dict:
+    """The output and every gradient of a step, by name."""
+    out = {"output": y.detach(), "x.grad": x.grad}
+    out.update({f"{n}.grad": p.grad for n, p in layer.named_parameters() if p.requires_grad})
+    return out
+
+
+def _one_step(layer, x, g):
+    from megablocks.layers.moe import clear_load_balancing_loss  # noqa: PLC0415
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    y = layer(x)
+    y.backward(g)
+    clear_load_balancing_loss()
+    return named_results(layer, x, y)
+
+
+# The layer a step's precision verdict runs on (the golden and the simulation are the same step on
+# the CPU, in float32 and in the device dtype): the config's own layer where its expert weights are at
+# most PRECISION_FULL_PARAMS, else one of the same family, with the same experts and top_k and hidden
+# and ffn cut to PRECISION_HIDDEN and PRECISION_FFN (a DeepSeek-V3 layer would take 30 GB and minutes
+# per CPU step). ``bench --precision-full`` asks for the configs' own layers.
+PRECISION_FULL_PARAMS = 1 << 24
+PRECISION_HIDDEN = 512
+PRECISION_FFN = 256
+
+
+def precision_config(c: dict, *, full: bool = False, max_params: int = PRECISION_FULL_PARAMS,
+                     hidden: int = PRECISION_HIDDEN, ffn: int = PRECISION_FFN, ffn_multiple: int = 1) -> dict:
+    """The layer (H, ffn, E, k) the precision verdict of config ``c`` runs on (see above). The hidden
+    size stays at least the expert count rounded up to 16 (the decisive router needs a feature per
+    expert), the ffn a multiple of ``ffn_multiple`` (the sparse MLP's 128-wide blocks)."""
+    if full or 2 * c["E"] * c["H"] * c["ffn"] <= max_params:
+        return dict(c)
+    cut = -(-min(c["ffn"], ffn) // ffn_multiple) * ffn_multiple
+    return dict(c, H=max(min(c["H"], hidden), -(-c["E"] // 16) * 16), ffn=min(c["ffn"], cut))
+
+
+def precision_verdicts(config: str, layer: str, device: torch.device, tokens: int, configs: dict,
+                       backends_: tuple, dtype: torch.dtype = torch.bfloat16, mlp_impl: str = "grouped", *,
+                       full: bool = False, reduce: dict | None = None) -> dict:
+    """``{backend: [Verdict]}``: one ``dtype`` training step of ``layer`` at ``config`` with ``tokens``
+    tokens run by each backend on ``device``, its output and every gradient judged against the same
+    step on the CPU in float32 (golden) and in ``dtype`` (simulation), both through the ``torch``
+    backend, from the same parameters and inputs (:func:`judge`; the
+    router made decisive by :func:`decisive_router`). The layer is :func:`precision_config`'s
+    (``reduce``: its keyword arguments; ``full``: the config's own)."""
+    from megablocks_ascend.bench.layers import backend_env, build_layer  # noqa: PLC0415
+    c = precision_config(configs[config], full=full, **(reduce or {}))
+    torch.manual_seed(0)
+    with backend_env("ascend") if mlp_impl == "sparse" else contextlib.nullcontext():  # (see steps.Case)
+        module = build_layer(c, layer, dtype, device, mlp_impl)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype)
+    decisive_router(module, x, c["E"])
+    got = {}
+    for b in backends_:
+        with backend_env(b):
+            got[b] = {k: (v.detach().clone() if v is not None else None) for k, v in _one_step(module, x, g).items()}
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    ref = {}
+    for label, dt in (("simulation", dtype), ("golden", golden_dtype(dtype))):
+        with backend_env("torch"):
+            cpu = build_layer(c, layer, dt, torch.device("cpu"), mlp_impl)
+        cpu.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
+        xc = x.detach().cpu().to(dt).requires_grad_()
+        with backend_env("torch"):
+            ref[label] = _one_step(cpu, xc, g.cpu().to(dt))
+    out = {}
+    for b, results in got.items():
+        out[b] = [judge(name, t, ref["simulation"][name], ref["golden"][name], dtype)
+                  for name, t in results.items() if t is not None]
+    return out

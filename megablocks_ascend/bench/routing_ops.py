@@ -232,11 +232,19 @@ def narrow_upstream_autotuning() -> None:
         autotuned.configs = autotuned.configs[:1]
 
 
+DEVICE_HELP = "cpu, cuda[:N] or npu[:N] (default: the NPU, else CUDA, else the CPU)"
+
+
 def setup(name: str | None = None) -> torch.device:
-    """The device to run on (``name``, else CUDA when there is one, else the CPU); on the CPU,
-    upstream's autotuned kernels narrowed to one config."""
+    """The device a benchmark runs on: ``name`` (a ``--device`` value, :data:`DEVICE_HELP`), else the
+    NPU, else CUDA, else the CPU; a device this machine lacks ends the program with the reason. On
+    the CPU, upstream's autotuned kernels are narrowed to one config."""
     from megablocks_ascend import devices  # noqa: PLC0415
-    device = devices.requested(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from megablocks_ascend.cli.selftest import default_device  # noqa: PLC0415
+    try:
+        device = devices.requested(name) if name else default_device()
+    except devices.DeviceUnavailable as e:
+        raise SystemExit(str(e)) from None
     if device.type == "cpu":
         narrow_upstream_autotuning()
     return device

@@ -1,7 +1,12 @@
 """The layer-step harness: one MegaBlocks MoE / dMoE training step (forward + backward), per variant.
 
 ``benchmarks/bench_steps.py`` is its command line, and ``python -m megablocks_ascend bench`` runs its
-steps rows with it.
+steps rows with it. This module holds the variants, their run and their table; a row's figures come
+from the harness's measuring modules: the times from :mod:`~megablocks_ascend.bench.timing`
+(``time_steps``, ``enqueue_time``, ``kernel_times``), the launches and host syncs from
+:mod:`~megablocks_ascend.bench.instruments`, the errors against the reference and the precision
+verdicts from :mod:`~megablocks_ascend.bench.precision`, the layers from
+:mod:`~megablocks_ascend.bench.layers`.
 
 A variant is one value of each field below; the default set is the product of the defaults, and
 ``--only FIELD=V1,V2`` (repeatable) picks other values (``--only mode=compile,compile-ro``,
@@ -66,10 +71,17 @@ not work) is an error row with the exception, and the run goes on. Per row:
                no padding), divided by the copy rate ``routing_table.copy_ceiling`` measures
                at the start of the run; ``x floor`` = wall ms / floor ms;
 ``busy``       kernel ms / wall ms;
-``syncs``      synchronizing CUDA calls per eager step (``torch.cuda.set_sync_debug_mode``);
+``syncs``      host syncs per eager step, on any device: the events of
+               :class:`~megablocks_ascend.bench.instruments.HostSyncs` (what the host-sync tests
+               use): every read of device values into Python, cross-device copy and
+               data-dependent-size op in MegaBlocks' code and ours (a read the detector sees at
+               both its layers, as ``.item()``, is two events; on the CPU its tensors count as a
+               device's; 0: nothing in the step waits for the device, as graph capture needs);
+               on CUDA the JSON also has ``cuda_syncs``, the synchronizing CUDA calls torch's
+               sync debug mode reports (``torch.cuda.set_sync_debug_mode``), as a cross-check;
 ``launches``   per eager step, the aten ops that launch a device kernel plus the Triton launches
-               (:class:`~megablocks_ascend.bench.launches.LaunchCounter`: what the CPU regression test
-               counts, on this device); ``--launches-by-line`` keeps each row's launches by
+               (:class:`~megablocks_ascend.bench.instruments.LaunchCounter`: what the CPU regression
+               test counts, on this device); ``--launches-by-line`` keeps each row's launches by
                source line in the JSON;
 ``kernels``    per step, the GPU kernels (and memcpy/memset) ``torch.profiler`` records, the
                same ones ``kernel ms`` sums (one aten op can be several: a radix sort is ~10);
@@ -87,10 +99,11 @@ not work) is an error row with the exception, and the run goes on. Per row:
                upstream's eager step (sparse rows: upstream's grouped step on the same parameters),
                and ``self`` against this backend's eager step; a row whose error is above ``TOL`` is
                marked FAIL and not timed. Computed in float64 a chunk at a time
-               (``precision.rel_l2``); the results compared with later rows are kept on the host
+               (``precision.rel_err``); the results compared with later rows are kept on the host
                when they exceed ``Settings.host_snapshot_bytes`` (a DeepSeek-V3 layer's gradients
-               are 15 GB in bf16). A graph row whose backend's eager step syncs is an error row, not
-               captured (a failed capture can break every later step of the process).
+               are 15 GB in bf16). On a device with graph capture, a graph row whose backend's eager
+               step syncs is an error row, not captured (a failed capture can break every later
+               step of the process).
 
 The layers of one (config, layer, precision, mlp_impl) share their parameters across backends
 and modes, so every row computes the same step from the same values. One layer lives at a time:
@@ -111,19 +124,14 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import os
-import re
-import statistics
 import time
 import traceback
-import warnings
 
 import torch
 
-from megablocks_ascend import backends
-from megablocks_ascend.bench import timing
-from megablocks_ascend.bench.launches import LaunchCounter
-from megablocks_ascend.bench.precision import rel_l2
+from megablocks_ascend.bench import instruments, timing
+from megablocks_ascend.bench.layers import backend_env, build_layer
+from megablocks_ascend.bench.precision import rel_err
 
 TOKENS = 8192
 CONFIGS = {
@@ -154,9 +162,6 @@ DEFAULT = {"config": tuple(CONFIGS), "layer": ("dMoE", "MoE"), "backend": ("asce
            "mode": ("eager", "graph"), "precision": ("bf16",), "mlp_impl": ("grouped", "sparse"),
            "mlp_type": ("mlp",), "wgrad_fill": ("empty",)}
 TOL = 2e-2  # relative L2 error of bf16 steps (different routing kernels round differently)
-# Matrix-multiply kernels, by name (CUDA): cuBLAS (gemm, xmma, nvjet), CUTLASS (torch._grouped_mm),
-# our block-sparse matmuls (kernels/blocksparse.py).
-GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|\b_sdd|\b_dsd|\b_dds", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,18 +219,6 @@ def select(only, quick):
 # One layer, one step
 
 
-def build_layer(c: dict, layer: str, dtype: torch.dtype, device: torch.device, mlp_impl: str = "grouped",
-                mlp_type: str = "mlp"):
-    """MegaBlocks' ``layer`` (``"dMoE"`` or ``"MoE"``, capacity factor 1, ``return_bias=False``) of the
-    config ``c`` (H, ffn, E, k), parameters in ``dtype`` (bfloat16, float16 or float32) on ``device``."""
-    from megablocks.layers.arguments import Arguments  # noqa: PLC0415
-    from megablocks.layers.dmoe import dMoE  # noqa: PLC0415
-    from megablocks.layers.moe import MoE  # noqa: PLC0415
-    args = Arguments(hidden_size=c["H"], ffn_hidden_size=c["ffn"], moe_num_experts=c["E"], moe_top_k=c["k"],
-                     moe_capacity_factor=1, mlp_impl=mlp_impl, mlp_type=mlp_type, bf16=dtype == torch.bfloat16,
-                     fp16=dtype == torch.float16, return_bias=False,
-                     device=torch.cuda.current_device() if device.type == "cuda" else device)
-    return {"dMoE": dMoE, "MoE": MoE}[layer](args)
 
 
 class Case:
@@ -273,17 +266,6 @@ class Case:
         return [y] + [t.grad for t in [self.x] + self.params]
 
 
-def rel_err(got, want) -> float:
-    """The largest relative L2 error of ``got``'s tensors against ``want``'s (chunked: no whole-tensor
-    float64 or float32 copy; either side may be kept on the host, :func:`snapshot`)."""
-    worst = 0.0
-    for a, b in zip(got, want):
-        if a is None or b is None:
-            if (a is None) != (b is None):
-                return float("inf")
-            continue
-        worst = max(worst, rel_l2(a, b))
-    return worst
 
 
 HOST_SNAPSHOT_BYTES = 8 << 30  # results kept for later comparison larger than this go to the host
@@ -299,19 +281,6 @@ def snapshot(tensors, limit: int = HOST_SNAPSHOT_BYTES) -> list:
             for t in tensors]
 
 
-@contextlib.contextmanager
-def backend_env(name):
-    """``MEGABLOCKS_BACKEND=name`` and ``use_backend(name)`` for the block."""
-    old = os.environ.get("MEGABLOCKS_BACKEND")
-    os.environ["MEGABLOCKS_BACKEND"] = name
-    try:
-        with backends.use_backend(name):
-            yield
-    finally:
-        if old is None:
-            os.environ.pop("MEGABLOCKS_BACKEND", None)
-        else:
-            os.environ["MEGABLOCKS_BACKEND"] = old
 
 
 def build(v, case):
@@ -358,72 +327,6 @@ def build(v, case):
     raise ValueError(v.mode)
 
 
-def time_steps(run, device, steps):
-    """``(wall ms, host ms)`` per step, medians over ``steps`` consecutive steps."""
-    host = []
-    if timing.timer(device).kind == "events":
-        events = [timing.event(device) for _ in range(steps + 1)]
-        for i in range(steps):
-            events[i].record()
-            t0 = time.perf_counter()
-            run()
-            host.append((time.perf_counter() - t0) * 1e3)
-        events[steps].record()
-        timing.synchronize(device)
-        wall = [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
-        return statistics.median(wall), statistics.median(host)
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        run()
-        host.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(host), statistics.median(host)
-
-
-def enqueue_time(run, device, steps):
-    """Host ms to enqueue one step onto an idle device (synchronized before and after each step),
-    the median over ``steps``: the host cost of the step itself. ``host ms`` (consecutive steps)
-    also holds the waits for the device once it is the bottleneck (a full launch queue, an
-    allocator call that synchronizes), so where wall ~ host it cannot tell a host-bound step from
-    a device-bound one; this can. A step with a sync inside still waits for the device up to it."""
-    if timing.timer(device).kind != "events":
-        return None
-    host = []
-    for _ in range(steps):
-        timing.synchronize(device)
-        t0 = time.perf_counter()
-        run()
-        host.append((time.perf_counter() - t0) * 1e3)
-    timing.synchronize(device)
-    return statistics.median(host)
-
-
-def kernel_times(run, device, steps):
-    """GPU time per step by kernel name (ms): the kernels (and memcpy/memset) torch.profiler records
-    over ``steps`` steps, divided by them; ``{}`` off CUDA."""
-    if device.type != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            t, n = per.get(e.name, (0.0, 0))
-            per[e.name] = (t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)), n + 1)
-    return {name: (t / steps / 1e3, n / steps) for name, (t, n) in per.items()}
-
-
-def breakdown(times, top=8):
-    """kernel ms, gemm ms, other ms and the largest other kernels of a step, from kernel_times."""
-    if not times:
-        return {}
-    gemm = sum(t for name, (t, _) in times.items() if GEMM_KERNEL.search(name))
-    total = sum(t for t, _ in times.values())
-    others = sorted(((t, n, name) for name, (t, n) in times.items() if not GEMM_KERNEL.search(name)), reverse=True)
-    return dict(kernel_ms=total, gemm_ms=gemm, other_ms=total - gemm,
-                top_other=[dict(name=name[:300], ms=t, calls=n) for t, n, name in others[:top]])
 
 
 def routing_bytes(v, configs, tokens, dtype):
@@ -442,31 +345,6 @@ def routing_bytes(v, configs, tokens, dtype):
     return 2 * gather + weighted + scatter + wgrad
 
 
-def count_launches(run, device, by_line):
-    """``(launches, by line)`` of one eager step: aten ops that launch a kernel plus Triton launches
-    (``LaunchCounter``; on the CPU every op counts, on a GPU the ops on it)."""
-    with LaunchCounter(device=None if device.type == "cpu" else device.type, where=by_line) as counted:
-        run()
-    timing.synchronize(device)
-    lines = None
-    if by_line:
-        lines = [dict(n=n, name=name, where=where) for (where, name), n in counted.by_where().items()]
-    return counted.total, lines
-
-
-def count_syncs(run, device):
-    """Synchronizing CUDA calls in one step (torch's sync debug mode, as warnings)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 @contextlib.contextmanager
@@ -508,9 +386,9 @@ def run_variant(v, case, reference, eager_of_backend, args, device, keep=True):
         del got
         if not row["ok"]:
             return row, kept
-        row["wall_ms"], row["host_ms"] = time_steps(run, device, args.steps)
-        times = kernel_times(run, device, args.profile_steps)
-        row.update(breakdown(times))
+        row["wall_ms"], row["host_ms"] = timing.time_steps(run, device, args.steps)
+        times = timing.kernel_times(run, device, args.profile_steps)
+        row.update(timing.breakdown(times))
         if times:
             row["kernels"] = sum(n for _, n in times.values())
         if row.get("kernel_ms"):
@@ -524,9 +402,12 @@ def run_variant(v, case, reference, eager_of_backend, args, device, keep=True):
                 row["x_floor"] = row["wall_ms"] / row["floor_ms"]
         if v.mode == "eager":
             if args.enqueue:
-                row["enqueue_ms"] = enqueue_time(run, device, args.steps)
-            row["syncs"] = count_syncs(run, device)
-            row["launches"], lines = count_launches(run, device, args.launches_by_line)
+                row["enqueue_ms"] = timing.enqueue_time(run, device, args.steps)
+            row["syncs"] = instruments.count_syncs(run, device)
+            cuda_syncs = instruments.count_cuda_syncs(run, device)
+            if cuda_syncs is not None:
+                row["cuda_syncs"] = cuda_syncs
+            row["launches"], lines = instruments.count_launches(run, device, args.launches_by_line)
             if lines is not None:
                 row["launches_by_line"] = lines
     return row, kept
@@ -635,7 +516,8 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         order = sorted(needed, key=lambda v: (v != ref_v, v.mode != "eager", v.backend, v.mode))
         self_checked = {v.backend for v in needed if v.mode != "eager"}  # whose eager results later rows need
         reference, eager = (grouped_refs.pop((family[:3], family[4]), None) if sparse else None), {}
-        syncs = {}  # backend -> host syncs of its eager step
+        syncs = {}  # backend -> host syncs of its eager step (where the device has graph capture)
+        capture = timing.graph_api(device)[0] is not None
         for v in order:
             tv = time.perf_counter()
             keep = v == ref_v or (v.mode == "eager" and v.wgrad_fill == default_fill and v.backend in self_checked)
@@ -644,7 +526,8 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
                     # A capture of a step that reads the device on the host fails and can leave the
                     # process unable to run later steps (on CUDA the RNG stays in capture state): refuse.
                     raise RuntimeError(f"not captured: the eager step syncs the host {syncs[v.backend]} times "
-                                       "(torch.cuda.set_sync_debug_mode), which a graph capture cannot hold")
+                                       "(instruments.HostSyncs, and on CUDA torch.cuda.set_sync_debug_mode), "
+                                       "which a graph capture cannot hold")
                 row, got = run_variant(v, case, reference, eager.get(v.backend), settings, device, keep=keep)
             except Exception as e:  # noqa: BLE001
                 row = dict(dataclasses.asdict(v), error=f"{type(e).__name__}: {str(e)[:500]}",
@@ -658,7 +541,8 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
                 row["reference_only"] = True
             if v.mode == "eager" and v.wgrad_fill == default_fill and got is not None:
                 eager[v.backend] = got
-                syncs[v.backend] = row.get("syncs")
+                if capture:
+                    syncs[v.backend] = max(row.get("syncs") or 0, row.get("cuda_syncs") or 0)
             rows.append(row)
             peak = f"  peak {row['peak_mib']:9.1f} MiB" if row.get("peak_mib") is not None else ""
             log(f"  {v.name():55s} " + (f"ERROR {row['error'][:160]}" if "error" in row else
@@ -693,103 +577,3 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         if mem and r.get("peak_mib") is not None:
             r["mem_vs_up"] = r["peak_mib"] / mem
     return rows
-
-
-# ------------------------------------------------------------------------------------------
-# The precision verdict of a step
-
-
-def decisive_router(layer, x: torch.Tensor, num_experts: int) -> None:
-    """Make the router's choice the same in every precision: its weight becomes the identity on the
-    first ``num_experts`` features of the input, and those features of each token a random
-    permutation of the levels 0, 0.5, 1, ... (exact in bfloat16 and in every product and sum of the
-    router's matmul), so that no two logits of a token are close and float32, bfloat16 and the
-    device pick the same experts (a near tie resolved differently would send a token to another
-    expert, an error no precision verdict could read). What is left to compare is what follows the
-    choice: the router's weights, the routing, the experts, the gradients."""
-    if x.shape[-1] < num_experts:
-        raise ValueError(f"decisive_router: hidden size {x.shape[-1]} < {num_experts} experts")
-    w = layer.router.layer.weight
-    gen = torch.Generator().manual_seed(3)
-    levels = torch.stack([torch.randperm(num_experts, generator=gen) for _ in range(x.shape[0] * x.shape[1])])
-    with torch.no_grad():
-        w.zero_()
-        w[:, :num_experts].copy_(torch.eye(num_experts, dtype=w.dtype, device=w.device))
-        x.view(-1, x.shape[-1])[:, :num_experts].copy_((levels * 0.5).to(x.dtype))
-
-
-def named_results(layer, x, y) -> dict:
-    """The output and every gradient of a step, by name."""
-    out = {"output": y.detach(), "x.grad": x.grad}
-    out.update({f"{n}.grad": p.grad for n, p in layer.named_parameters() if p.requires_grad})
-    return out
-
-
-def _one_step(layer, x, g):
-    from megablocks.layers.moe import clear_load_balancing_loss  # noqa: PLC0415
-    for p in layer.parameters():
-        p.grad = None
-    x.grad = None
-    y = layer(x)
-    y.backward(g)
-    clear_load_balancing_loss()
-    return named_results(layer, x, y)
-
-
-# The layer a step's precision verdict runs on (the golden and the simulation are the same step on
-# the CPU, in float32 and in the device dtype): the config's own layer where its expert weights are at
-# most PRECISION_FULL_PARAMS, else one of the same family, with the same experts and top_k and hidden
-# and ffn cut to PRECISION_HIDDEN and PRECISION_FFN (a DeepSeek-V3 layer would take 30 GB and minutes
-# per CPU step). ``bench --precision-full`` asks for the configs' own layers.
-PRECISION_FULL_PARAMS = 1 << 24
-PRECISION_HIDDEN = 512
-PRECISION_FFN = 256
-
-
-def precision_config(c: dict, *, full: bool = False, max_params: int = PRECISION_FULL_PARAMS,
-                     hidden: int = PRECISION_HIDDEN, ffn: int = PRECISION_FFN, ffn_multiple: int = 1) -> dict:
-    """The layer (H, ffn, E, k) the precision verdict of config ``c`` runs on (see above). The hidden
-    size stays at least the expert count rounded up to 16 (the decisive router needs a feature per
-    expert), the ffn a multiple of ``ffn_multiple`` (the sparse MLP's 128-wide blocks)."""
-    if full or 2 * c["E"] * c["H"] * c["ffn"] <= max_params:
-        return dict(c)
-    cut = -(-min(c["ffn"], ffn) // ffn_multiple) * ffn_multiple
-    return dict(c, H=max(min(c["H"], hidden), -(-c["E"] // 16) * 16), ffn=min(c["ffn"], cut))
-
-
-def precision_verdicts(config: str, layer: str, device: torch.device, tokens: int, configs: dict,
-                       backends_: tuple, dtype: torch.dtype = torch.bfloat16, mlp_impl: str = "grouped", *,
-                       full: bool = False, reduce: dict | None = None) -> dict:
-    """``{backend: [Verdict]}``: one ``dtype`` training step of ``layer`` at ``config`` with ``tokens``
-    tokens run by each backend on ``device``, its output and every gradient judged against the same
-    step on the CPU in float32 (golden) and in ``dtype`` (simulation), both through the ``torch``
-    backend, from the same parameters and inputs (:mod:`~megablocks_ascend.bench.precision`; the
-    router made decisive by :func:`decisive_router`). The layer is :func:`precision_config`'s
-    (``reduce``: its keyword arguments; ``full``: the config's own)."""
-    from megablocks_ascend.bench import precision  # noqa: PLC0415
-    c = precision_config(configs[config], full=full, **(reduce or {}))
-    torch.manual_seed(0)
-    with backend_env("ascend") if mlp_impl == "sparse" else contextlib.nullcontext():  # (see Case)
-        module = build_layer(c, layer, dtype, device, mlp_impl)
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype).requires_grad_()
-    g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(dtype)
-    decisive_router(module, x, c["E"])
-    got = {}
-    for b in backends_:
-        with backend_env(b):
-            got[b] = {k: (v.detach().clone() if v is not None else None) for k, v in _one_step(module, x, g).items()}
-    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    ref = {}
-    for label, dt in (("simulation", dtype), ("golden", precision.golden_dtype(dtype))):
-        with backend_env("torch"):
-            cpu = build_layer(c, layer, dt, torch.device("cpu"), mlp_impl)
-        cpu.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
-        xc = x.detach().cpu().to(dt).requires_grad_()
-        with backend_env("torch"):
-            ref[label] = _one_step(cpu, xc, g.cpu().to(dt))
-    out = {}
-    for b, results in got.items():
-        out[b] = [precision.judge(name, t, ref["simulation"][name], ref["golden"][name], dtype)
-                  for name, t in results.items() if t is not None]
-    return out

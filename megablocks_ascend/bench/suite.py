@@ -20,7 +20,7 @@ which case the row says so and holds no time. Every output and gradient gets the
 of :mod:`~megablocks_ascend.bench.precision` (the three ratios against a CPU golden and a CPU
 simulation in the device dtype), on a problem of the same shape with at most ``--precision-tokens``
 tokens; a training step's verdict on a layer of the same family (the same experts and top_k) with
-its hidden and ffn sizes cut (:func:`~megablocks_ascend.bench.steps.precision_config`: a DeepSeek-V3
+its hidden and ffn sizes cut (:func:`~megablocks_ascend.bench.precision.precision_config`: a DeepSeek-V3
 layer's CPU golden alone would take 30 GB and minutes), or on the config's own layer with
 ``--precision-full``. The step rows carry each step's peak memory above resident, ours against
 upstream's. Written to ``--out``: ``NAME.json`` (every row, the verdicts, the environment),
@@ -81,7 +81,7 @@ class Plan:
     warmup: int = 2  # untimed steps before a step row's first checked one
     profile_steps: int = 1  # steps profiled for a step row's kernel count (CUDA)
     precision_full: bool = False  # the step verdicts on the configs' own layers, not reduced ones
-    precision_reduce: dict = dataclasses.field(default_factory=dict)  # steps.precision_config's limits
+    precision_reduce: dict = dataclasses.field(default_factory=dict)  # precision.precision_config's limits
 
     @property
     def kind(self) -> str:
@@ -297,7 +297,7 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
     """A ``dMoE`` and a ``MoE`` training step per config, timed: ours against upstream's kernels on
     CUDA, against the ``torch`` backend elsewhere, eager and, where the device has graph capture,
     captured; each backend's step (the ``torch`` backend's too) judged by
-    :func:`~megablocks_ascend.bench.steps.precision_verdicts`."""
+    :func:`~megablocks_ascend.bench.precision.precision_verdicts`."""
     kind = plan.kind
     names = step_backends(kind)
     graph_api, _ = timing.graph_api(plan.timing_device)
@@ -325,11 +325,11 @@ def steps_section(plan: Plan, ceiling: float | None, log) -> list[dict]:
                 continue
             # (the sparse MLP's reduced layer keeps its ffn a whole number of 128-wide blocks)
             reduce = dict(plan.precision_reduce, ffn_multiple=128) if impl == "sparse" else plan.precision_reduce
-            on = steps.precision_config(plan.configs[c], full=plan.precision_full, **reduce)
+            on = precision.precision_config(plan.configs[c], full=plan.precision_full, **reduce)
             judged_on[(c, impl)] = dict(on, T=tokens, reduced=on != plan.configs[c])
             tv = time.perf_counter()
             try:
-                verdicts[(c, layer, impl)] = steps.precision_verdicts(
+                verdicts[(c, layer, impl)] = precision.precision_verdicts(
                     c, layer, plan.tensor_device, tokens, plan.configs,
                     tuple(b for b in names if impl == "grouped" or b != "cuda"), plan.dtype, impl,
                     full=plan.precision_full, reduce=reduce)
@@ -549,7 +549,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision-full", action="store_true",
                         help="judge each step config's own layer (default: large configs are judged on a layer of "
                              "the same experts and top_k with hidden and ffn cut to "
-                             f"{steps.PRECISION_HIDDEN} and {steps.PRECISION_FFN}; a DeepSeek-V3 layer's CPU "
+                             f"{precision.PRECISION_HIDDEN} and {precision.PRECISION_FFN}; a DeepSeek-V3 layer's CPU "
                              "golden alone takes about 30 GB)")
     parser.add_argument("--out", default=report.default_out(), help="directory for NAME.json, NAME.log, NAME.png "
                         "(default: $OUT if set, else ./bench-results, which git ignores)")

@@ -26,6 +26,7 @@ reported by :func:`timer` with the reason, and nothing on it is timed: :func:`do
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from typing import Callable
@@ -314,3 +315,94 @@ def host_us(fn: Callable, device: torch.device, iters: int = 200) -> float:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the tile sweeps' grid unit); 4 elsewhere."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+# ------------------------------------------------------------------------------------------
+# A training step, timed (the step harnesses: ``steps``, ``expert_parallel_steps``)
+
+# Matrix-multiply kernels, by name (CUDA): cuBLAS (gemm, xmma, nvjet), CUTLASS (torch._grouped_mm),
+# our block-sparse matmuls (kernels/blocksparse.py).
+GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|\b_sdd|\b_dsd|\b_dds", re.IGNORECASE)
+
+
+def time_steps(run, device, steps):
+    """``(wall ms, host ms)`` per step, medians over ``steps`` consecutive steps."""
+    host = []
+    if timer(device).kind == "events":
+        events = [event(device) for _ in range(steps + 1)]
+        for i in range(steps):
+            events[i].record()
+            t0 = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - t0) * 1e3)
+        events[steps].record()
+        synchronize(device)
+        wall = [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+        return statistics.median(wall), statistics.median(host)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        host.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(host), statistics.median(host)
+
+
+def enqueue_time(run, device, steps):
+    """Host ms to enqueue one step onto an idle device (synchronized before and after each step),
+    the median over ``steps``: the host cost of the step itself. ``host ms`` (consecutive steps)
+    also holds the waits for the device once it is the bottleneck (a full launch queue, an
+    allocator call that synchronizes), so where wall ~ host it cannot tell a host-bound step from
+    a device-bound one; this can. A step with a sync inside still waits for the device up to it."""
+    if timer(device).kind != "events":
+        return None
+    host = []
+    for _ in range(steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        host.append((time.perf_counter() - t0) * 1e3)
+    synchronize(device)
+    return statistics.median(host)
+
+
+def kernel_times(run, device, steps):
+    """GPU time per step by kernel name (ms): the kernels (and memcpy/memset) torch.profiler records
+    over ``steps`` steps, divided by them; ``{}`` off CUDA."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t, n = per.get(e.name, (0.0, 0))
+            per[e.name] = (t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)), n + 1)
+    return {name: (t / steps / 1e3, n / steps) for name, (t, n) in per.items()}
+
+
+def breakdown(times, top=8):
+    """kernel ms, gemm ms, other ms and the largest other kernels of a step, from kernel_times."""
+    if not times:
+        return {}
+    gemm = sum(t for name, (t, _) in times.items() if GEMM_KERNEL.search(name))
+    total = sum(t for t, _ in times.values())
+    others = sorted(((t, n, name) for name, (t, n) in times.items() if not GEMM_KERNEL.search(name)), reverse=True)
+    return dict(kernel_ms=total, gemm_ms=gemm, other_ms=total - gemm,
+                top_other=[dict(name=name[:300], ms=t, calls=n) for t, n, name in others[:top]])
+
+
+def wall_ms(fn: Callable, device: torch.device, repeat: int, warmup: int = 3) -> float:
+    """Median wall milliseconds of one call of ``fn`` and a synchronization of ``device`` (what a
+    caller that waits for the result pays, host and device together), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
