@@ -44,9 +44,9 @@ def main(argv=None):
                     help="keep each eager row's launches by source line in the JSON (slower count)")
     ap.add_argument("--out", default=default_out(), help="directory of the results (default: $OUT if set, else ./bench-results, which git ignores)")
     ap.add_argument("--name", default="bench_steps")
-    ap.add_argument("--host-snapshot-mib", type=float, default=steps.HOST_SNAPSHOT_BYTES / 2**20,
-                    help="results kept to compare later rows with go to the host above this size (default "
-                         f"{steps.HOST_SNAPSHOT_BYTES >> 20} MiB: a DeepSeek-V3 layer's gradients are 15 GB)")
+    ap.add_argument("--host-snapshot-mib", type=float, default=None,
+                    help="results kept to compare later rows with go to the host above this size (default: "
+                         "above a third of the device's free memory; a DeepSeek-V3 layer's gradients are 15 GB)")
     args = ap.parse_args(argv)
     device = routing_ops.setup(args.device)
     if device.type == "cpu" and not args.quick:
@@ -59,7 +59,8 @@ def main(argv=None):
                               steps=args.steps or (3 if args.quick else 20),
                               warmup=min(args.warmup, 1) if args.quick else args.warmup,
                               profile_steps=args.profile_steps, launches_by_line=args.launches_by_line,
-                              host_snapshot_bytes=int(args.host_snapshot_mib * 2**20))
+                              host_snapshot_bytes=None if args.host_snapshot_mib is None
+                              else int(args.host_snapshot_mib * 2**20))
     reference_backend = "cuda" if device.type == "cuda" else "torch"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +92,7 @@ def main(argv=None):
     log(steps.table(results["rows"]))
     log(f"({results['seconds']:.0f} s; vs up = upstream eager wall / this wall, {reference_backend} backend; "
         f"floor = gemm ms + routing bytes at the copy ceiling, {settings.ceiling_gbps:.0f} GB/s; peak = the most "
-        f"memory allocated above resident while a row was built and ran its first steps, mem = its peak / "
+        f"memory allocated above resident (no gradients) while a row was built and ran its first steps, mem = its peak / "
         f"upstream's in the same mode)")
     log("")
     log(steps.top_table(results["rows"]))

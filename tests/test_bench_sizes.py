@@ -59,6 +59,18 @@ def test_kept_results_go_to_the_host_past_the_limit():
     assert all(x.device.type == "cpu" for x in big if x is not None)
 
 
+def test_kept_results_stay_on_the_device_while_they_fit_a_third_of_its_free_memory(monkeypatch):
+    """By default the host takes them only past a third of the device's free memory; a device without
+    the figure (the CPU) keeps them where they are; an explicit limit overrides."""
+    from megablocks_ascend.bench import timing
+    t = [torch.ones(4, 4), None, torch.arange(6.0)]
+    total = 16 * 4 + 6 * 4
+    for free, host in ((3 * total, False), (3 * total - 3, True), (None, False)):
+        monkeypatch.setattr(timing, "free_memory", lambda device, free=free: free)
+        assert steps.on_host(t) is host, free
+        assert steps.on_host(t, limit=total) is False and steps.on_host(t, limit=total - 1) is True
+
+
 def test_precision_verdicts_run_on_a_reduced_layer_of_the_same_family():
     dsv3 = precision.precision_config(steps.CONFIGS["dsv3"])
     assert dsv3 == dict(H=precision.PRECISION_HIDDEN, ffn=precision.PRECISION_FFN, E=256, k=8)
@@ -117,6 +129,32 @@ def test_peak_memory_and_its_ratio_to_upstream(monkeypatch):
     assert rows["torch"]["peak_mib"] == 200 and rows["ascend"]["peak_mib"] == 150
     assert rows["ascend"]["mem_vs_up"] == 0.75 and rows["torch"]["mem_vs_up"] == 1.0
     assert "peak MiB" in steps.table(list(rows.values()))
+
+
+def test_each_rows_peak_starts_from_no_gradients(monkeypatch):
+    """Every row's resident memory is taken after the previous row's gradients are released, so each
+    peak holds its own step's gradients: the first row of a family (no gradients before it) and the
+    later ones (an earlier row's gradients alive until their step) are measured alike."""
+    from megablocks_ascend.bench import timing
+    alive_at_resident = []
+
+    def memory_allocated(device):
+        case = current["case"]
+        alive_at_resident.append(any(p.grad is not None for p in case.params) or case.x.grad is not None)
+        return 0
+    current = {}
+    real = steps.run_variant
+
+    def run_variant(v, case, *args, **kwargs):
+        current["case"] = case
+        return real(v, case, *args, **kwargs)
+    monkeypatch.setattr(timing, "memory_allocated", memory_allocated)
+    monkeypatch.setattr(steps, "run_variant", run_variant)
+    variants = steps.select(["config=tiny", "backend=ascend,torch", "layer=MoE"], quick=True)
+    settings = steps.Settings(configs=steps.QUICK_CONFIGS, tokens=16, steps=1, warmup=0, profile_steps=0)
+    rows = steps.run(variants, torch.device("cpu"), settings, "torch", lambda s: None)
+    assert all(r.get("ok") for r in rows) and len(alive_at_resident) == len(rows) >= 2
+    assert not any(alive_at_resident), alive_at_resident
 
 
 def test_bench_quick_judges_reduced_layers_and_reports_its_sections(tmp_path):

@@ -91,17 +91,17 @@ not work) is an error row with the exception, and the run goes on. Per row:
 ``vs grp``     sparse rows: the grouped step's wall time (same backend, mode, config) divided by
                this row's: > 1 is faster;
 ``peak MiB``   the most memory allocated on the device while the variant was built and ran its first
-               steps (a graph's capture included), above what was allocated before: one step's
-               activations, gradients and workspaces; ``mem`` = this row's peak over upstream's
+               steps (a graph's capture included), above what was allocated before it with no
+               gradients alive: one step's activations, gradients and workspaces, alike for every row; ``mem`` = this row's peak over upstream's
                (``cuda`` backend, the same mode where it ran, else eager; for ``sparse`` rows
                upstream's grouped step): < 1 takes less;
 ``err``        largest relative (L2) error of the step's output and every gradient against
                upstream's eager step (sparse rows: upstream's grouped step on the same parameters),
                and ``self`` against this backend's eager step; a row whose error is above ``TOL`` is
                marked FAIL and not timed. Computed in float64 a chunk at a time
-               (``precision.rel_err``); the results compared with later rows are kept on the host
-               when they exceed ``Settings.host_snapshot_bytes`` (a DeepSeek-V3 layer's gradients
-               are 15 GB in bf16). On a device with graph capture, a graph row whose backend's eager
+               (``precision.rel_err``); the results compared with later rows are kept on the device,
+               or on the host where they take more than a third of its free memory (or
+               ``Settings.host_snapshot_bytes``): a DeepSeek-V3 layer's gradients are 15 GB in bf16. On a device with graph capture, a graph row whose backend's eager
                step syncs is an error row, not captured (a failed capture can break every later
                step of the process).
 
@@ -268,19 +268,26 @@ class Case:
 
 
 
-HOST_SNAPSHOT_BYTES = 8 << 30  # results kept for later comparison larger than this go to the host
+def on_host(tensors, limit: int | None = None) -> bool:
+    """Whether :func:`snapshot` keeps ``tensors`` on the host: when together they take more than
+    ``limit`` bytes; by default (None) more than a third of their device's free memory (a
+    DeepSeek-V3 layer's results are 15 GB of bf16 weight gradients: on an H200 the two a family
+    keeps fit beside its step, whose own peak is ~55 GB with its graph's pool, and comparing with a
+    copy on the host moves 15 GB over the bus per row); never where the device has no figure (the CPU)."""
+    kept = [t for t in tensors if t is not None]
+    total = sum(t.numel() * t.element_size() for t in kept)
+    if limit is None:
+        free = timing.free_memory(kept[0].device) if kept else None
+        return free is not None and total > free // 3
+    return total > limit
 
 
-def snapshot(tensors, limit: int = HOST_SNAPSHOT_BYTES) -> list:
+def snapshot(tensors, limit: int | None = None) -> list:
     """Copies of a step's results, kept to compare later rows with: on their device, or on the host
-    when together they take more than ``limit`` bytes (DeepSeek-V3's layer: 15 GB of weight gradients,
-    which two device copies would add to a step's own 55 GB, its graph's pool included)."""
-    total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    host = total > limit
+    where :func:`on_host` says."""
+    host = on_host(tensors, limit)
     return [None if t is None else (t.detach().to("cpu", copy=True) if host else t.detach().clone())
             for t in tensors]
-
-
 
 
 def build(v, case):
@@ -365,6 +372,7 @@ def run_variant(v, case, reference, eager_of_backend, args, device, keep=True):
     results for later rows to compare with (None otherwise)."""
     row = dataclasses.asdict(v)
     with backend_env(v.backend), wgrad_fill(v.wgrad_fill):
+        case.zero_grad()  # the peak counts this row's gradients whether or not an earlier row left some
         timing.synchronize(device)
         resident = timing.memory_allocated(device)
         timing.reset_peak_memory(device)
@@ -465,7 +473,7 @@ class Settings:
     profile_steps: int = 3
     launches_by_line: bool = False
     ceiling_gbps: float | None = None
-    host_snapshot_bytes: int = HOST_SNAPSHOT_BYTES  # kept results larger than this live on the host
+    host_snapshot_bytes: int | None = None  # kept results larger than this live on the host (None: snapshot's rule)
     enqueue: bool = True  # eager rows: also the host time to enqueue a step onto an idle device
 
 

@@ -117,6 +117,13 @@ def memory_allocated(device: torch.device) -> int | None:
     return None if device.type == "cpu" or fn is None else int(fn(device))
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now, to the driver (``mem_get_info``; memory the caching allocator
+    holds counts as used), or None on the CPU or where the device module cannot say."""
+    fn = getattr(module(device), "mem_get_info", None)
+    return None if device.type == "cpu" or fn is None else int(fn(device)[0])
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak for :func:`peak_memory_allocated` on ``device`` (nothing on the CPU)."""
     fn = getattr(module(device), "reset_peak_memory_stats", None)
