@@ -100,3 +100,32 @@ def test_other_topologies_are_refused(device):
         sparse_grouped.sdd(torch.randn(2 * B, 8, device=device), torch.randn(8, 4 * B, device=device), (2 * B, 4 * B),
                            out, offsets, torch.zeros(5, dtype=torch.int16, device=device),
                            torch.zeros(5, dtype=torch.int16, device=device))
+
+
+def test_bench_sparse_section_checks_both_forms_of_every_product_and_the_step(tmp_path):
+    """``bench --sections sparse`` (CPU, quick configs): the six products of a step and the whole sparse
+    dMoE step, in our form and as grouped GEMMs plus the copy, each checked (against the float32
+    products and the grouped step); configs whose ffn is not whole 128-wide blocks are left out."""
+    from megablocks_ascend.bench import blocksparse as bench_blocksparse, suite
+
+    plan = suite.plan_for(torch.device("cpu"), quick=True, sections=("sparse",))
+    results = suite.run(plan, tmp_path, "s", plot_png=False, log=lambda s="": None)
+    rows = results["rows"]
+    assert {r["case"] for r in rows} == {"tiny"}  # tiny16's ffn is 64
+    items = [call for call, _ in bench_blocksparse.CALLS] + ["step eager"]
+    assert sorted((r["item"], r["impl"]) for r in rows) == sorted(
+        (i, impl) for i in items for impl in ("ours", "grouped GEMM + copy"))
+    assert all(r["check_ok"] and "error" not in r for r in rows), [r for r in rows if not r.get("check_ok")]
+    assert all(r["unwritten"] == 0 and r["rel_err"] <= bench_blocksparse.TOL[torch.bfloat16]
+               for r in rows if r["item"] != "step eager")
+    assert all(r["err_vs_reference"] is not None for r in rows if r["item"] == "step eager")
+    assert results["summary"]["ok"] and set(results["section_seconds"]) == {"sparse"}
+
+
+def test_bench_runs_the_sparse_section_by_default_on_an_npu_only():
+    from megablocks_ascend.bench import suite
+
+    assert "sparse" not in suite.plan_for(torch.device("cpu"), quick=True).sections
+    assert "sparse" not in suite.plan_for(torch.device("cuda"), quick=False).sections
+    npu = type("Device", (), {"type": "npu", "index": 0})()
+    assert "sparse" in suite.plan_for(npu, quick=True).sections

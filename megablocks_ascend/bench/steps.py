@@ -37,8 +37,9 @@ mode        ``eager``; ``graph``: the whole step captured in   eager, graph
 precision   ``bf16`` (bf16 parameters and input);              bf16
             ``amp-bf16`` (fp32 parameters, step under
             ``torch.autocast(dtype=bfloat16)``)
-mlp_impl    ``grouped``, ``sparse`` (dMoE only; passed to       grouped
-            ``Arguments``)
+mlp_impl    ``grouped``, ``sparse`` (dMoE only); ``sparse-gmm``  grouped, sparse
+            the sparse dMoE, its products as grouped GEMMs
+            + copy (``bench/sparse_grouped.py``; ours only)
 mlp_type    ``mlp``, ``glu`` (dMoE only; passed to              mlp
             ``Arguments``)
 wgrad_fill  how the grouped GEMM zeroes the weight gradients   empty
@@ -129,7 +130,7 @@ import traceback
 
 import torch
 
-from megablocks_ascend.bench import instruments, timing
+from megablocks_ascend.bench import instruments, sparse_grouped, timing
 from megablocks_ascend.bench.layers import backend_env, build_layer
 from megablocks_ascend.bench.precision import rel_err
 
@@ -154,7 +155,7 @@ FIELDS = {
     "backend": ("ascend", "cuda", "torch"),
     "mode": ("eager", "graph", "compile", "compile-ro"),
     "precision": ("bf16", "amp-bf16"),
-    "mlp_impl": ("grouped", "sparse"),
+    "mlp_impl": ("grouped", "sparse", "sparse-gmm"),
     "mlp_type": ("mlp", "glu"),
     "wgrad_fill": ("empty", "full"),
 }
@@ -162,6 +163,12 @@ DEFAULT = {"config": tuple(CONFIGS), "layer": ("dMoE", "MoE"), "backend": ("asce
            "mode": ("eager", "graph"), "precision": ("bf16",), "mlp_impl": ("grouped", "sparse"),
            "mlp_type": ("mlp",), "wgrad_fill": ("empty",)}
 TOL = 2e-2  # relative L2 error of bf16 steps (different routing kernels round differently)
+
+
+def is_sparse(mlp_impl: str) -> bool:
+    """Whether a variant's dMoE is MegaBlocks' sparse one (``sparse``, or ``sparse-gmm``: the same
+    layer with its products as grouped GEMMs)."""
+    return mlp_impl.startswith("sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +214,9 @@ def select(only, quick):
             continue  # MoE's experts are a batched MLP: mlp_impl and mlp_type do not apply, one row
         if v.mlp_impl == "sparse" and v.backend == "cuda" and not {"backend", "mlp_impl"} <= asked:
             continue  # upstream refuses the sparse MLP with Triton >= 3.2 (stk's kernels overflow): ask for it
-        if v.mlp_impl == "sparse" and (v.layer == "MoE" or (QUICK_CONFIGS if quick else CONFIGS)[v.config]["ffn"] % 128):
+        if v.mlp_impl == "sparse-gmm" and v.backend != "ascend":
+            continue  # the grouped-GEMM form stands in for our block-sparse kernels, in our backend only
+        if is_sparse(v.mlp_impl) and (v.layer == "MoE" or (QUICK_CONFIGS if quick else CONFIGS)[v.config]["ffn"] % 128):
             continue  # the sparse MLP is dMoE's, in blocks of 128 columns of ffn (MegaBlocks' topology)
         if v.wgrad_fill != chosen["wgrad_fill"][0] and (v.layer, v.mlp_impl) != ("dMoE", "grouped"):
             continue  # only the grouped dMoE computes weight gradients with the grouped GEMM
@@ -234,8 +243,9 @@ class Case:
         # MegaBlocks refuses mlp_impl="sparse" unless stk's matmuls are ours (patches/sparse-mlp-refusal.md):
         # built under ascend; each variant then runs under its own backend. Same parameters as the
         # grouped layer of the config (same initialisation, same layout), so they share a reference.
-        with backend_env("ascend") if mlp_impl == "sparse" else contextlib.nullcontext():
-            self.layer = build_layer(c, layer, self.dtype, device, mlp_impl, mlp_type)
+        with backend_env("ascend") if is_sparse(mlp_impl) else contextlib.nullcontext():
+            self.layer = build_layer(c, layer, self.dtype, device, "sparse" if is_sparse(mlp_impl) else mlp_impl,
+                                     mlp_type)
         gen = torch.Generator(device=device).manual_seed(1)
         self.x = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype).requires_grad_()
         self.g = torch.randn(tokens, 1, c["H"], device=device, generator=gen).to(self.dtype)
@@ -269,11 +279,10 @@ class Case:
 
 
 def on_host(tensors, limit: int | None = None) -> bool:
-    """Whether :func:`snapshot` keeps ``tensors`` on the host: when together they take more than
-    ``limit`` bytes; by default (None) more than a third of their device's free memory (a
-    DeepSeek-V3 layer's results are 15 GB of bf16 weight gradients: on an H200 the two a family
-    keeps fit beside its step, whose own peak is ~55 GB with its graph's pool, and comparing with a
-    copy on the host moves 15 GB over the bus per row); never where the device has no figure (the CPU)."""
+    """Whether :func:`snapshot` keeps ``tensors`` on the host: past ``limit`` bytes, by default (None)
+    past a third of their device's free memory (never on the CPU, which has no figure). A
+    DeepSeek-V3 layer's two kept results (15 GB each) fit beside its ~55 GB step on an H200; on the
+    host each comparison moves 15 GB over the bus."""
     kept = [t for t in tensors if t is not None]
     total = sum(t.numel() * t.element_size() for t in kept)
     if limit is None:
@@ -371,7 +380,8 @@ def run_variant(v, case, reference, eager_of_backend, args, device, keep=True):
     """``(row, kept)``: the variant's row, and (``keep``) a :func:`snapshot` of its first step's
     results for later rows to compare with (None otherwise)."""
     row = dataclasses.asdict(v)
-    with backend_env(v.backend), wgrad_fill(v.wgrad_fill):
+    forms = sparse_grouped.products() if v.mlp_impl == "sparse-gmm" else contextlib.nullcontext()
+    with backend_env(v.backend), wgrad_fill(v.wgrad_fill), forms:
         case.zero_grad()  # the peak counts this row's gradients whether or not an earlier row left some
         timing.synchronize(device)
         resident = timing.memory_allocated(device)
@@ -423,14 +433,14 @@ def run_variant(v, case, reference, eager_of_backend, args, device, keep=True):
 
 def _lead(r):
     return (f"{r['config']:8s} {r['layer']:5s} {r['backend']:7s} {r['mode']:10s} {r['precision']:8s} "
-            f"{r['mlp_impl']:7s} {r['mlp_type']:4s} {r['wgrad_fill']:5s} ")
+            f"{r['mlp_impl']:10s} {r['mlp_type']:4s} {r['wgrad_fill']:5s} ")
 
 
 def table(rows):
     def f(r, key, fmt, width):
         v = r.get(key)
         return format(v, fmt).rjust(width) if v is not None else "-".rjust(width)
-    head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':7s} {'type':4s} "
+    head = (f"{'config':8s} {'layer':5s} {'backend':7s} {'mode':10s} {'prec':8s} {'impl':10s} {'type':4s} "
             f"{'fill':5s} {'wall ms':>8s} {'host ms':>8s} {'enq ms':>7s} {'kern ms':>8s} {'gemm ms':>8s} {'other ms':>8s} "
             f"{'floor ms':>8s} {'x floor':>7s} {'busy':>5s} {'syncs':>5s} {'launch':>6s} {'kernels':>7s} {'vs up':>6s} "
             f"{'vs grp':>6s} {'peak MiB':>9s} {'mem':>6s} {'err':>8s} {'self':>8s}")
@@ -494,8 +504,10 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         families.setdefault(v.family, []).append(v)
     grouped_refs = {}  # (config, layer, precision, mlp_type) -> the grouped family's reference results
     for family, members in families.items():
-        sparse = family[3] == "sparse"
-        if not sparse and any(f[3] == "sparse" and (f[:3], f[4]) == (family[:3], family[4]) for f in families):
+        sparse = is_sparse(family[3])
+        for stale in [k for k in grouped_refs if k != (family[:3], family[4])]:
+            del grouped_refs[stale]  # (its sparse families, right after it, are done)
+        if not sparse and any(is_sparse(f[3]) and (f[:3], f[4]) == (family[:3], family[4]) for f in families):
             keep_ref = (family[:3], family[4])
         else:
             keep_ref = None
@@ -523,7 +535,7 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
         needed = set(members) | ({ref_v} if ref_v else set()) | {eager_of(v.backend) for v in members}
         order = sorted(needed, key=lambda v: (v != ref_v, v.mode != "eager", v.backend, v.mode))
         self_checked = {v.backend for v in needed if v.mode != "eager"}  # whose eager results later rows need
-        reference, eager = (grouped_refs.pop((family[:3], family[4]), None) if sparse else None), {}
+        reference, eager = (grouped_refs.get((family[:3], family[4])) if sparse else None), {}
         syncs = {}  # backend -> host syncs of its eager step (where the device has graph capture)
         capture = timing.graph_api(device)[0] is not None
         for v in order:
@@ -574,13 +586,13 @@ def run(variants, device, settings: Settings, reference_backend: str, log, save=
     peaks = {key(r) + (r["mode"],): r["peak_mib"] for r in rows if r["backend"] == reference_backend
              and r["wgrad_fill"] == default_fill and r.get("peak_mib")}
     for r in rows:
-        base = upstream.get(key(r, "grouped" if r["mlp_impl"] == "sparse" else None))  # upstream has no sparse step
+        base = upstream.get(key(r, "grouped" if is_sparse(r["mlp_impl"]) else None))  # upstream has no sparse step
         if base and r.get("wall_ms"):
             r["vs_up"] = base / r["wall_ms"]
         same = grouped.get(key(r, "grouped") + (r["backend"], r["mode"]))
-        if r["mlp_impl"] == "sparse" and same and r.get("wall_ms"):
+        if is_sparse(r["mlp_impl"]) and same and r.get("wall_ms"):
             r["vs_grouped"] = same / r["wall_ms"]  # > 1: the sparse step is faster than the grouped one
-        up = key(r, "grouped" if r["mlp_impl"] == "sparse" else None)
+        up = key(r, "grouped" if is_sparse(r["mlp_impl"]) else None)
         mem = peaks.get(up + (r["mode"],)) or peaks.get(up + ("eager",))
         if mem and r.get("peak_mib") is not None:
             r["mem_vs_up"] = r["peak_mib"] / mem

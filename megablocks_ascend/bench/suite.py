@@ -1,5 +1,8 @@
 """``python -m megablocks_ascend bench``: ours against every alternative this device has.
 
+One idea: the command (its plan, one function per section that turns the measuring modules' results
+into rows, the table and the files it writes); what each section measures lives in its own module.
+
 On whatever device the machine has (``--device``; default the NPU, else CUDA, else the CPU):
 
 ``ops``    every routing op (gather, weighted scatter, router-weight gradient in the binned,
@@ -10,6 +13,9 @@ On whatever device the machine has (``--device``; default the NPU, else CUDA, el
 ``fused``  on an NPU, torch_npu's fused ``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` /
            ``npu_moe_init_routing_v2`` where their documented semantics match ours (the argument
            mapping and where they do not apply: :mod:`~megablocks_ascend.bench.fused_npu`);
+``sparse`` the sparse dMoE's block-sparse products and its whole step, ours against the same as
+           grouped GEMMs plus the layout copy (:mod:`~megablocks_ascend.bench.sparse_forms`): by
+           default on an NPU only, elsewhere when ``--sections`` names it;
 ``steps``  a MegaBlocks ``dMoE`` and ``MoE`` training step (forward + backward) at named configs,
            ours against upstream's kernels on CUDA and the ``torch`` backend elsewhere; eager, and
            captured in a graph where the device has graph capture; with each step's peak memory.
@@ -50,9 +56,11 @@ from pathlib import Path
 import torch
 
 from megablocks_ascend import backends
-from megablocks_ascend.bench import fused_npu, plot, precision, report, routing_ops, routing_table, steps, timing
+from megablocks_ascend.bench import (fused_npu, plot, precision, report, routing_ops, routing_table, sparse_forms,
+                                     steps, timing)
 
 IMPL_OF_BACKEND = {"ascend": "ours", "cuda": "upstream", "torch": "torch"}
+SECTIONS = ("ops", "prep", "fused", "sparse", "steps")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -77,7 +85,7 @@ class Plan:
     steps: int = 20
     dtype: torch.dtype = torch.bfloat16
     precision_configs: tuple | None = None  # the step configs judged (None: every one)
-    sections: tuple = ("ops", "prep", "fused", "steps")
+    sections: tuple = ("ops", "prep", "fused", "steps")  # by default; "sparse" too on an NPU (plan_for)
     warmup: int = 2  # untimed steps before a step row's first checked one
     profile_steps: int = 1  # steps profiled for a step row's kernel count (CUDA)
     precision_full: bool = False  # the step verdicts on the configs' own layers, not reduced ones
@@ -100,7 +108,7 @@ def plan_for(device: torch.device, quick: bool, shapes=None, configs=None, secti
                 tokens=steps.QUICK_TOKENS if quick else steps.TOKENS,
                 precision_tokens=64 if quick else 2048, step_tokens_precision=32 if quick else 256, quick=quick,
                 repeats=1 if quick else 3, steps=3 if quick else 10, warmup=1 if quick else 2, profile_steps=1,
-                sections=tuple(sections) if sections else Plan.sections,
+                sections=tuple(sections) if sections else Plan.sections + (("sparse",) if device.type == "npu" else ()),
                 dtype=torch.float16 if device.type == "cpu" else torch.bfloat16,
                 # the quick configs' verdicts go through the reduced layers too (the path large ones take)
                 precision_reduce=dict(max_params=1 << 15, hidden=32, ffn=32) if quick else {})
@@ -266,6 +274,22 @@ def fused_section(plan: Plan, log, tnpu=None) -> tuple[list[dict], dict]:
         del d, dp
         timing.empty_cache(plan.tensor_device)
     return rows, info
+
+
+def sparse_section(plan: Plan, log) -> list[dict]:
+    """The sparse dMoE's products and step, ours against the grouped-GEMM form, at every step config
+    whose ffn is whole 128-wide blocks (:mod:`~megablocks_ascend.bench.sparse_forms`)."""
+    names = list(sparse_forms.configs(plan.configs))
+    rows = []
+    for n in names:
+        rows += sparse_forms.product_rows(n, plan.configs[n], plan.tokens, plan.tensor_device,
+                                          lambda fn: _time(fn, plan, True, log), log)
+    settings = steps.Settings(configs=plan.configs, tokens=plan.tokens, steps=plan.steps, warmup=plan.warmup,
+                              profile_steps=plan.profile_steps, enqueue=False)
+    return rows + sparse_forms.step_rows(
+        names, plan.configs, plan.tokens, plan.tensor_device, "cuda" if plan.kind == "cuda" else "torch",
+        timed=timing.timer(plan.timing_device).timed, graph=timing.graph_api(plan.timing_device)[0] is not None,
+        settings=settings, log=log)
 
 
 def step_backends(kind: str) -> tuple[str, ...]:
@@ -486,6 +510,12 @@ def run(plan: Plan, out_dir: Path, name: str, plot_png: bool = True, log=None, l
     else:
         results["fused"] = {"not_run": f"torch_npu's fused MoE ops are compared on an NPU only (this is {plan.kind})",
                             "not_applicable": fused_npu.NOT_APPLICABLE}
+    if "sparse" in plan.sections:
+        names = ", ".join(sparse_forms.configs(plan.configs))
+        ts = section("sparse", f"the sparse dMoE's products and step, ours and as grouped GEMMs x configs ({names})")
+        rows += sparse_section(plan, log)
+        done("sparse", ts)
+        save()
     if "steps" in plan.sections:
         ts = section("steps", f"MoE and dMoE training steps x {len(plan.configs)} configs ({', '.join(plan.configs)})")
         rows += steps_section(plan, ceiling, log)
@@ -538,7 +568,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (the CPU smoke test)")
     parser.add_argument("--shapes", default=None, help="comma-separated routing shapes (default: all)")
     parser.add_argument("--configs", default=None, help="comma-separated step configs (default: all)")
-    parser.add_argument("--sections", default=None, help="comma-separated subset of ops,prep,fused,steps")
+    parser.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)} (default: "
+                        "all but sparse; sparse too on an NPU)")
     parser.add_argument("--repeats", type=int, default=None, help="do_bench medians per time (default 3; 1 quick)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per step row (default 10; 3 quick)")
     parser.add_argument("--precision-tokens", type=int, default=None,
@@ -567,9 +598,9 @@ def main(args: argparse.Namespace) -> int:
         routing_ops.narrow_upstream_autotuning()
     split = (lambda v: v.split(",") if v else None)  # noqa: E731
     sections = split(args.sections)
-    bad = [s for s in sections or () if s not in Plan.sections]
+    bad = [s for s in sections or () if s not in SECTIONS]
     if bad:
-        raise SystemExit(f"bench: unknown --sections {bad}; known: {', '.join(Plan.sections)}")
+        raise SystemExit(f"bench: unknown --sections {bad}; known: {', '.join(SECTIONS)}")
     plan = plan_for(device, args.quick, split(args.shapes), split(args.configs), sections)
     if args.repeats:
         plan.repeats = args.repeats
