@@ -17,8 +17,9 @@ CPU_MEASURES_NOTHING = "a CPU run (the Triton interpreter) measures nothing abou
 
 #: Where benchmarks write their results unless told (``--out``): ``$OUT`` if set, else this folder
 #: of the current directory, which the repository's .gitignore ignores (so a run in a checkout
-#: leaves its ``git status`` clean). The recorded results in ``benchmarks/results/`` are written there
-#: on purpose, with ``--out benchmarks/results``.
+#: leaves its ``git status`` clean). The recorded results are kept one folder per run,
+#: ``benchmarks/results/<date>-<device>-<subject>/`` with its ``RUN.md``, written there on purpose
+#: (``--out`` that folder).
 DEFAULT_OUT = "bench-results"
 
 
