@@ -32,7 +32,7 @@ def test_every_file_the_checklists_name_exists():
 
 
 LONG = 600  # lines: a module past it says why it is one idea ("One idea: ..." in its docstring)
-_SPLIT_ELSEWHERE = {"kernels/routing.py", "bench/steps.py"}  # being split on another branch
+_SPLIT_ELSEWHERE = {"bench/steps.py"}  # being split on another branch
 
 
 def test_a_long_module_says_why_it_is_one_idea():
@@ -87,17 +87,12 @@ def test_every_kernel_module_is_in_the_gates_table():
         if isinstance(v, Kernel)}
 
 
-# The launchers whose host arithmetic is not yet kernels/launch.py's (switched once issue 33's
-# changes to them are in).
-_OWN_HOST_HELPERS = {"routing.py", "preparation.py"}
-
-
 def test_the_launchers_share_one_cdiv_and_one_int32_bound():
     """``cdiv`` and the int32 bound live in kernels/launch.py: no other kernel module defines its
     own (``def _cdiv``, ``2**31``, ``1 << 31``) or rounds up by hand (``-(-a // b)``)."""
     pattern = re.compile(r"def_?cdiv\b|2\*\*31|1<<31|-\(-")
     for path in sorted((PACKAGE / "kernels").glob("*.py")):
-        if path.name in _OWN_HOST_HELPERS | {"launch.py"}:
+        if path.name == "launch.py":
             continue
         with path.open() as f:  # the code's tokens, without comments and strings (docstrings)
             code = "".join(t.string for t in tokenize.generate_tokens(f.readline)
