@@ -13,7 +13,7 @@ import pytest
 
 from megablocks_ascend import __main__ as cli_main
 from megablocks_ascend import backends, envs, keeping
-from megablocks_ascend.cli.lowering import table
+from megablocks_ascend.lowering import table
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megablocks_ascend"
@@ -209,15 +209,29 @@ def _module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-TOOLS = ("megablocks_ascend.cli", "megablocks_ascend.bench", "megablocks_ascend.__main__")
+TOOLS = ("megablocks_ascend.cli", "megablocks_ascend.bench", "megablocks_ascend.lowering", "megablocks_ascend.__main__")
 
 
 def test_nothing_in_the_runtime_package_imports_the_tools():
-    """The commands (cli/) and the benchmark harness (bench/) sit beside the runtime package."""
+    """The commands (cli/), the benchmark harness (bench/) and the compile gate (lowering/) sit
+    beside the runtime package."""
     for path in PACKAGE.rglob("*.py"):
         name = _module_name(path)
         if not name.startswith(TOOLS):
             assert not any(m.startswith(TOOLS) for m in _imports(path, everywhere=True)), name
+
+
+_GATE_READS = ("megablocks_ascend.lowering", "megablocks_ascend.kernels", "megablocks_ascend.devices",
+               "megablocks_ascend.compat")
+
+
+def test_the_compile_gate_reads_only_the_kernels_and_the_devices():
+    """lowering/ lowers the kernels as the launchers would launch them on an NPU: it imports the
+    kernels, devices.py and compat.py, and neither a layer above the kernels nor another tool."""
+    for path in (PACKAGE / "lowering").rglob("*.py"):
+        outside = {m for m in _imports(path, everywhere=True)
+                   if m != "megablocks_ascend" and not m.startswith(_GATE_READS)}
+        assert not outside, (path.name, sorted(outside))
 
 
 def test_the_package_imports_no_cycle():

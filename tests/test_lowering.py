@@ -1,4 +1,4 @@
-"""The Ascend compile gate (the package megablocks_ascend.cli.lowering) in the project venv (standard triton).
+"""The Ascend compile gate (the package megablocks_ascend.lowering) in the project venv (standard triton).
 
 The IR fixtures below are pieces of real triton-ascend 3.2.0 ``ttadapter`` output for our kernels
 (constants and unrelated ops trimmed). The one test that lowers needs triton-ascend and is skipped
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megablocks_ascend import compat, devices
-from megablocks_ascend.cli.lowering import command, driver, ir, report, table
-from megablocks_ascend.cli.lowering.configs import configs
+from megablocks_ascend.lowering import command, driver, ir, report, table
+from megablocks_ascend.lowering.configs import configs
 from megablocks_ascend.kernels import blocksparse, grouped, preparation, routing, routing_kernels
 
 ROOT = Path(__file__).resolve().parents[1]

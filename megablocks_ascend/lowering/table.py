@@ -109,8 +109,9 @@ class KernelSpec:
     inherent_row_stores: Callable[[dict], int] = lambda axes: 0  # PLACE (preparation): 0, 1 or 2
     variant: str | None = None  # a module holding a variant of the kernel, to gate in its place (--variant)
     # The axes of its configurations at many experts (MANY_EXPERTS, and top_k 8 at EXPERTS too): a few
-    # values each, in the table beside the full product at EXPERTS (issue 33: tiles and per-row
-    # costs that do not grow with the expert count, held from the recorded census); None: none.
+    # values each, in the table beside the full product at EXPERTS (today's fine-grained MoE shapes:
+    # tiles and per-row costs that do not grow with the expert count, held from the recorded census);
+    # None: none.
     many: dict | None = None
     # Which points of the axes the launchers can produce, given the derived constexprs too (None: all).
     when: Callable[[dict], bool] | None = None
