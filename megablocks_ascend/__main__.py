@@ -45,7 +45,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "backend; upstream's kernels on CUDA; torch_npu's fused MoE ops on an NPU), with the precision verdict "
         "(run it after selftest)"),
     "lower": _module_command(
-        "megablocks_ascend.cli.lowering.command",
+        "megablocks_ascend.cli.lower",
         "lower every routing kernel with triton-ascend's front end (needs the lowering venv: "
         "tools/ascend_lowering_env.sh)"),
 }

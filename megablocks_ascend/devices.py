@@ -191,7 +191,7 @@ def target(device: torch.device) -> str:
     raise ValueError(f"no Triton target for device {device}: expected cpu, cuda or npu tensors")
 
 
-# The form of the routing kernels each target runs (kernels/routing.py; MEGABLOCKS_ASCEND_STORES
+# The form of the routing kernels each target runs (kernels/routing_kernels.py; MEGABLOCKS_ASCEND_STORES
 # overrides it). Census of the planned modules (bishengir-compile 1.2.0, bf16, hidden 1024, per row;
 # docs/notes/npu-census.md): the token-major gather stores each token row to its top_k data-dependent
 # rows, 2.1 pipe_barrier[MTE3] per row at top_k 2 (stores one at a time, each waiting for the last),
@@ -212,7 +212,7 @@ STORES = {"npu": "contiguous", "cuda": "scattered", "interpreter": "contiguous"}
 PREP_NPU_FORM = {"npu": True, "cuda": False, "interpreter": True}
 
 
-# How the contiguous-store form's kernels load the rows they gather (kernels/routing.py, SELECT;
+# How the contiguous-store form's kernels load the rows they gather (kernels/routing_kernels.py, SELECT;
 # MEGABLOCKS_ASCEND_ROW_LOADS overrides it), per kernel kind: "masked", a 2-D tile load whose row
 # offsets come from an index vector, or "select", triton-ascend's index_select_simd builtin (on an NPU;
 # the interpreter runs its documented semantics in plain Triton). Chosen for the NPU from the compile

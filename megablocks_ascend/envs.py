@@ -27,9 +27,9 @@ variable                           default   meaning
                                              Ascend kernels launch; by default it comes from the
                                              device (vector cores on an NPU, SMs on CUDA).
 ``MEGABLOCKS_ASCEND_STORES``       ``auto``  Which form of the routing kernels runs
-                                             (``kernels/routing.py``). ``contiguous``: every
-                                             store lands on consecutive buffer rows and rows are
-                                             gathered on load; ``scattered``: the token-major
+                                             (``kernels/routing_kernels.py``). ``contiguous``:
+                                             every store lands on consecutive buffer rows and
+                                             rows are gathered on load; ``scattered``: the token-major
                                              gather (each token row read once, stored to its
                                              top_k rows) and, at top_k 1, the one-launch
                                              position-major scatter and weight gradient.

@@ -14,9 +14,9 @@ import triton.language as tl
 
 from megablocks_ascend.compat import kernel
 from megablocks_ascend.kernels import preparation as _prep
-from megablocks_ascend.kernels import routing as _routing
+from megablocks_ascend.kernels import routing_kernels
 
-_columns, _offsets = _routing._columns, _routing._offsets
+_columns, _offsets = routing_kernels._columns, routing_kernels._offsets
 
 
 @kernel

@@ -1,4 +1,4 @@
-"""The compile gate's back-end stage (megablocks_ascend.cli.lowering: bishengir, plan, gate) and the memory
+"""The compile gate's back-end stage (megablocks_ascend.lowering: bishengir, plan, gate) and the memory
 model it holds.
 
 The fixtures are pieces of real planned modules (``module.hivm.opt.mlir``) and compiler output of
@@ -25,8 +25,8 @@ from megablocks_ascend import devices
 # The toolchain runs in its own venv (tools/ascend_lowering_env.sh) and the plans are recorded: the
 # point's torch and Triton play no part (CI: the current point only).
 pytestmark = pytest.mark.one_point
-from megablocks_ascend.cli.lowering import bishengir, census, command, driver, gate, plan, report, table
-from megablocks_ascend.cli.lowering.configs import Config, configs, model_ub, tile_args
+from megablocks_ascend.lowering import bishengir, census, command, driver, gate, plan, report, table
+from megablocks_ascend.lowering.configs import Config, configs, model_ub, tile_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLANS = ROOT / "tests" / "data" / "ascend_memory_plans.json"

@@ -1,4 +1,4 @@
-"""The compile gate's per-row pipeline census (megablocks_ascend.cli.lowering.census) and the census
+"""The compile gate's per-row pipeline census (megablocks_ascend.lowering.census) and the census
 the gate recorded for every configuration (tests/data/ascend_census.json), held against the targets
 without the compiler.
 
@@ -16,8 +16,8 @@ import pathlib
 
 import pytest
 
-from megablocks_ascend.cli.lowering import census, table
-from megablocks_ascend.cli.lowering.configs import configs
+from megablocks_ascend.lowering import census, table
+from megablocks_ascend.lowering.configs import configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORD = ROOT / "tests" / "data" / "ascend_census.json"

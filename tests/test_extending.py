@@ -13,7 +13,7 @@ import pytest
 
 from megablocks_ascend import __main__ as cli_main
 from megablocks_ascend import backends, envs, keeping
-from megablocks_ascend.cli.lowering import table
+from megablocks_ascend.lowering import table
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megablocks_ascend"
@@ -32,13 +32,12 @@ def test_every_file_the_checklists_name_exists():
 
 
 LONG = 600  # lines: a module past it says why it is one idea ("One idea: ..." in its docstring)
-_SPLIT_ELSEWHERE = {"kernels/routing.py"}  # being split on another branch
 
 
 def test_a_long_module_says_why_it_is_one_idea():
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
-        if name in _SPLIT_ELSEWHERE or len(path.read_text().splitlines()) <= LONG:
+        if len(path.read_text().splitlines()) <= LONG:
             continue
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "One idea: " in doc, f"{name}: over {LONG} lines, and its docstring does not say why it is one idea"
@@ -87,17 +86,12 @@ def test_every_kernel_module_is_in_the_gates_table():
         if isinstance(v, Kernel)}
 
 
-# The launchers whose host arithmetic is not yet kernels/launch.py's (switched once issue 33's
-# changes to them are in).
-_OWN_HOST_HELPERS = {"routing.py", "preparation.py"}
-
-
 def test_the_launchers_share_one_cdiv_and_one_int32_bound():
     """``cdiv`` and the int32 bound live in kernels/launch.py: no other kernel module defines its
     own (``def _cdiv``, ``2**31``, ``1 << 31``) or rounds up by hand (``-(-a // b)``)."""
     pattern = re.compile(r"def_?cdiv\b|2\*\*31|1<<31|-\(-")
     for path in sorted((PACKAGE / "kernels").glob("*.py")):
-        if path.name in _OWN_HOST_HELPERS | {"launch.py"}:
+        if path.name == "launch.py":
             continue
         with path.open() as f:  # the code's tokens, without comments and strings (docstrings)
             code = "".join(t.string for t in tokenize.generate_tokens(f.readline)
@@ -214,15 +208,29 @@ def _module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-TOOLS = ("megablocks_ascend.cli", "megablocks_ascend.bench", "megablocks_ascend.__main__")
+TOOLS = ("megablocks_ascend.cli", "megablocks_ascend.bench", "megablocks_ascend.lowering", "megablocks_ascend.__main__")
 
 
 def test_nothing_in_the_runtime_package_imports_the_tools():
-    """The commands (cli/) and the benchmark harness (bench/) sit beside the runtime package."""
+    """The commands (cli/), the benchmark harness (bench/) and the compile gate (lowering/) sit
+    beside the runtime package."""
     for path in PACKAGE.rglob("*.py"):
         name = _module_name(path)
         if not name.startswith(TOOLS):
             assert not any(m.startswith(TOOLS) for m in _imports(path, everywhere=True)), name
+
+
+_GATE_READS = ("megablocks_ascend.lowering", "megablocks_ascend.kernels", "megablocks_ascend.devices",
+               "megablocks_ascend.compat")
+
+
+def test_the_compile_gate_reads_only_the_kernels_and_the_devices():
+    """lowering/ lowers the kernels as the launchers would launch them on an NPU: it imports the
+    kernels, devices.py and compat.py, and neither a layer above the kernels nor another tool."""
+    for path in (PACKAGE / "lowering").rglob("*.py"):
+        outside = {m for m in _imports(path, everywhere=True)
+                   if m != "megablocks_ascend" and not m.startswith(_GATE_READS)}
+        assert not outside, (path.name, sorted(outside))
 
 
 def test_the_package_imports_no_cycle():

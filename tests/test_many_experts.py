@@ -15,7 +15,7 @@ import torch
 import reference_impl as ref
 from megablocks_ascend import devices
 from megablocks_ascend.devices import PrepTile, Tile
-from megablocks_ascend.kernels import preparation, routing
+from megablocks_ascend.kernels import preparation, routing, routing_kernels
 from test_preparation import assert_same, loop_reference
 
 SMALL = Tile(block_m=4, block_x=16)
@@ -222,8 +222,8 @@ def test_the_select_form_gives_the_masked_forms_results(top_k, poisoned, monkeyp
     gen = torch.Generator().manual_seed(top_k)
     calls = _nine_calls(32, top_k, gen)  # whole feature tiles of 16: SELECT applies
     launched = []
-    real = routing._gather.launch, routing._scatter.launch, routing._wgrad.launch
-    for k, launch in zip((routing._gather, routing._scatter, routing._wgrad), real):
+    real = routing_kernels._gather.launch, routing_kernels._scatter.launch, routing_kernels._wgrad.launch
+    for k, launch in zip((routing_kernels._gather, routing_kernels._scatter, routing_kernels._wgrad), real):
         monkeypatch.setattr(k, "launch", lambda *a, _l=launch, **kw: launched.append(kw["SELECT"]) or _l(*a, **kw))
     results = {}
     for loads in ("masked", "select"):

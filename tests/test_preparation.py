@@ -29,7 +29,7 @@ import reference_impl as ref
 from megablocks_ascend import backends, devices, keeping, library, ops, patching, reference, validation
 from megablocks_ascend.patching import routing_preparation
 from megablocks_ascend.devices import PrepTile
-from megablocks_ascend.kernels import preparation, routing
+from megablocks_ascend.kernels import preparation, routing, routing_kernels
 from megablocks_ascend.native import grouped_gemm
 from megablocks_ascend.native import megablocks_ops as native
 from test_native_ops import sort_loop
@@ -236,7 +236,7 @@ def test_two_launches(monkeypatch, route, npu_form, want):
     for name in ("_count", "_place"):
         real = getattr(preparation, name)
         monkeypatch.setattr(preparation, name, _Recording(real, name, launched))
-    monkeypatch.setattr(routing, "_row_map", _Recording(routing._row_map, "_row_map", launched))
+    monkeypatch.setattr(routing_kernels, "_row_map", _Recording(routing_kernels._row_map, "_row_map", launched))
     preparation.prepare_routing(_ids(10, 2, 4), 4, 4 if route == routing.PADDED else 0, route, 5, npu_form=npu_form)
     assert launched == want
 

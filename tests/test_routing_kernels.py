@@ -473,7 +473,7 @@ def test_int64_offsets_give_the_same_results(monkeypatch, top_k):
     }
     int32 = {name: getattr(routing, name)(*args, tile=SMALL, num_programs=3) for name, args in calls.items()}
     routing.clear_route_maps()
-    monkeypatch.setattr(routing, "_INT32_LIMIT", 1)
+    monkeypatch.setattr(routing, "_INT32_LIMIT", 0)
     routing.clear_plans()  # (the int32 calls above planned these launches with the real limit)
     assert routing._needs_int64(1)
     for name, args in calls.items():

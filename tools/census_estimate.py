@@ -3,7 +3,7 @@
     python tools/census_estimate.py [tests/data/ascend_census.json ...] [--config SUBSTRING]
 
 **An estimate, not a measurement**: nothing here ran on an NPU. The census (the gate's count of what
-the compiler scheduled per row of a kernel's hot loop: megablocks_ascend/cli/lowering/census.py)
+the compiler scheduled per row of a kernel's hot loop: megablocks_ascend/lowering/census.py)
 is turned into cycles with the per-operation costs below, which are assumptions (Huawei publishes
 no cycle counts for these operations; each is given as a low and a high value), and set beside the
 row's bandwidth floor: its DMA bytes at one vector core's share of the HBM bandwidth. The model is

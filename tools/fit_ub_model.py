@@ -24,8 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megablocks_ascend import devices  # noqa: E402
-from megablocks_ascend.cli.lowering import table  # noqa: E402
-from megablocks_ascend.cli.lowering.configs import tile_args  # noqa: E402
+from megablocks_ascend.lowering import table  # noqa: E402
+from megablocks_ascend.lowering.configs import tile_args  # noqa: E402
 
 FIELDS = ("dtype_copies", "f32_copies", "masks", "dtype_copies_k", "f32_copies_k", "per_row",
           "per_row_expert", "per_column", "fixed")

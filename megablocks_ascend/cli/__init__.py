@@ -7,7 +7,7 @@
               (:mod:`.bench`, over :mod:`megablocks_ascend.bench`);
 ``lower``     the Ascend compile gate: every kernel configuration through triton-ascend's front end
               and the back-end compiler ``bishengir-compile``, with its on-chip memory plan read and
-              checked (the package :mod:`.lowering`).
+              checked (:mod:`.lower`, over :mod:`megablocks_ascend.lowering`).
 
 Nothing in the runtime package imports from here.
 """

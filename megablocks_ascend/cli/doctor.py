@@ -151,7 +151,7 @@ def backend_compiler(fixes: list | None) -> list[str]:
     the one in the ``ascendnpu-ir`` wheel. ``fixes``: where to add a fix when it is missing."""
     import shutil  # noqa: PLC0415
 
-    from megablocks_ascend.cli.lowering import bishengir  # noqa: PLC0415
+    from megablocks_ascend.lowering import bishengir  # noqa: PLC0415
     try:
         found = bishengir.find_compiler("a2a3")
     except bishengir.CompilerMissing:

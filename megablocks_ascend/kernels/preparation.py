@@ -54,6 +54,7 @@ import triton.language as tl
 from megablocks_ascend import devices
 from megablocks_ascend.compat import kernel
 from megablocks_ascend.kernels import routing
+from megablocks_ascend.kernels.launch import cdiv
 from megablocks_ascend.kernels.scan import cumsum
 
 NO_ROUTE = -1  # ROUTE: no route map; else the layout of the one to write (routing.DROPLESS, ...)
@@ -300,18 +301,14 @@ def _place(
 # Launchers. They take validated tensors (megablocks_ascend.validation.check_preparation).
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _grid(device, n: int, block_m: int, num_programs):
     """``(programs, chunk)``: the grid of both launches and the items per program (a multiple of
     ``block_m``); no program is empty."""
-    work = _cdiv(n, block_m)
+    work = cdiv(n, block_m)
     programs = num_programs if num_programs is not None else devices.num_programs(device, work, programs_per_sm=1)
     programs = max(1, min(programs, work))
-    chunk = _cdiv(work, programs) * block_m
-    return _cdiv(n, chunk), chunk
+    chunk = cdiv(work, programs) * block_m
+    return cdiv(n, chunk), chunk
 
 
 def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=None, block=0, route=NO_ROUTE,
@@ -344,7 +341,7 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
     # One histogram row per program, then one count of invalid keys per program; rows up to a
     # multiple of BLOCK_P (read in whole tiles by _place, never written: multiplied by 0 there).
     block_p = devices.prep_block_p(programs, block_e)
-    table_rows = _cdiv(programs, block_p) * block_p
+    table_rows = cdiv(programs, block_p) * block_p
     counts = torch.empty(table_rows * (block_e + 1), dtype=torch.int32, device=device)
     _count.launch((programs,), keys, counts, n, num_keys, key_mask, chunk, table_rows, NPU_FORM=npu_form,
                   BLOCK_M=count_block if npu_form else t.block_m, BLOCK_E=block_e, CHUNK=key_chunk,
@@ -364,7 +361,7 @@ def _launch(keys, num_keys, key_mask, *, place=HISTOGRAM, indices=None, bin_ids=
 def _row_map_of(bins, padded_bins, n, route, capacity, block, npu_form, num_programs):
     """The padded or binned route's row map, for the buffer-row-major gather (the NPU form only; None
     elsewhere): every row a gather of this routing can have (``routing.padded_rows_bound``,
-    ``experts * capacity``), in a third launch (``routing._row_map``: a walk with contiguous
+    ``experts * capacity``), in a third launch (``routing_kernels._row_map``: a walk with contiguous
     stores). Written in ``_place`` instead, its per-row search or picks over ``[BLOCK_M, BLOCK_E]``
     tiles took the placement's Unified Buffer plan to 193-196 KiB of 192 (docs/notes/many-experts.md)."""
     if not npu_form or route not in (routing.PADDED, routing.BINNED):

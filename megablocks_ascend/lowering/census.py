@@ -61,7 +61,7 @@ import math
 import re
 from collections import Counter
 
-from megablocks_ascend.cli.lowering.plan import PlanError
+from megablocks_ascend.lowering.plan import PlanError
 
 # --------------------------------------------------------------------------------------------
 # Reading: the entry function as a tree of loops, branches and the ops that cost something, each
@@ -432,7 +432,7 @@ def _top(tree: list):
 
 
 # --------------------------------------------------------------------------------------------
-# The targets (issue 22): what a configuration the NPU's launchers can choose must meet.
+# The targets: what the per-row census of a configuration the NPU's launchers can choose must meet.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,7 +96,7 @@ class KernelSpec:
     data_ptrs: tuple  # pointer arguments of the data dtype (others are int32 index tensors)
     row_copy: bool  # moves feature rows: gated on scalar_hot == 0
     scalars: Callable[[Problem], dict]  # the non-constexpr integer arguments for a problem
-    module: str = "routing"  # megablocks_ascend.kernels.<module>
+    module: str = "routing_kernels"  # megablocks_ascend.kernels.<module>
     cube: bool = False  # a tl.dot kernel: tiles from devices.cube_tile(kind, ...), IR read by analyze_cube_ir
     ptr_types: tuple = ()  # (argument, triton pointer type) of index pointers that are not *i32
     hot_step: str = "BLOCK_X"  # the constexpr stepping the loop analyze_ir calls hot
@@ -109,8 +109,9 @@ class KernelSpec:
     inherent_row_stores: Callable[[dict], int] = lambda axes: 0  # PLACE (preparation): 0, 1 or 2
     variant: str | None = None  # a module holding a variant of the kernel, to gate in its place (--variant)
     # The axes of its configurations at many experts (MANY_EXPERTS, and top_k 8 at EXPERTS too): a few
-    # values each, in the table beside the full product at EXPERTS (issue 33: tiles and per-row
-    # costs that do not grow with the expert count, held from the recorded census); None: none.
+    # values each, in the table beside the full product at EXPERTS (today's fine-grained MoE shapes:
+    # tiles and per-row costs that do not grow with the expert count, held from the recorded census);
+    # None: none.
     many: dict | None = None
     # Which points of the axes the launchers can produce, given the derived constexprs too (None: all).
     when: Callable[[dict], bool] | None = None
@@ -142,7 +143,7 @@ def source_digest(spec: "KernelSpec") -> str:
         module = importlib.import_module(name)
         for attr in sorted(vars(module)):
             fn = getattr(getattr(module, attr), "fn", None)
-            # (under its own name only: an alias bound per Triton, routing._select_rows, is not code)
+            # (under its own name only: an alias bound per Triton, routing_kernels._select_rows, is not code)
             if callable(fn) and getattr(fn, "__module__", None) == name and getattr(fn, "__name__", attr) == attr:
                 parts.append(f"{name}.{attr}\n{code(fn)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

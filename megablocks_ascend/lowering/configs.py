@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 from typing import Iterable
 
-from megablocks_ascend.cli.lowering.table import (
+from megablocks_ascend.lowering.table import (
     CUBE_BLOCK,
     DTYPES,
     EXPERTS,

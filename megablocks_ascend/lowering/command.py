@@ -13,16 +13,16 @@ import os
 import sys
 import time
 
-from megablocks_ascend.cli.lowering import bishengir, gate, report
-from megablocks_ascend.cli.lowering.configs import configs
-from megablocks_ascend.cli.lowering.driver import (
+from megablocks_ascend.lowering import bishengir, gate, report
+from megablocks_ascend.lowering.configs import configs
+from megablocks_ascend.lowering.driver import (
     TARGET_ARCH,
     InterpreterOn,
     Lowerer,
     TritonAscendMissing,
     make_backend,
 )
-from megablocks_ascend.cli.lowering.table import EXPERTS, KERNELS, MANY_EXPERTS, source_digest
+from megablocks_ascend.lowering.table import EXPERTS, KERNELS, MANY_EXPERTS, source_digest
 
 REEXEC_VAR = "_MEGABLOCKS_ASCEND_LOWER_REEXEC"  # set in the process main() starts again
 

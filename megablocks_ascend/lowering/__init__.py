@@ -2,10 +2,15 @@
 end and Huawei's back-end compiler ``bishengir-compile`` to the ``hivmc`` handoff, its IR counted
 and its on-chip memory plan read and checked.
 
-``python -m megablocks_ascend lower`` (in the lowering venv made by ``tools/ascend_lowering_env.sh``)
-runs it over the kernels of :mod:`megablocks_ascend.kernels` (``routing``, ``preparation``,
-``grouped``: vector kernels; ``blocksparse``: cube kernels, ``tl.dot``). What that leaves to a real
-NPU: ``docs/notes/ascend-lowering.md`` and ``docs/notes/ascend-backend.md``.
+``python -m megablocks_ascend lower`` (in the lowering venv made by ``tools/ascend_lowering_env.sh``;
+the command line is :mod:`megablocks_ascend.cli.lower`) runs it over the kernels of
+:mod:`megablocks_ascend.kernels` (``routing_kernels``, ``preparation``, ``grouped``, ``topology``:
+vector kernels; ``blocksparse``: cube kernels, ``tl.dot``). What that leaves to a real NPU:
+``docs/notes/ascend-lowering.md`` and ``docs/notes/ascend-backend.md``.
+
+A tool beside the package's layers, as the benchmark harness (:mod:`megablocks_ascend.bench`) is:
+it reads :mod:`megablocks_ascend.kernels`, :mod:`megablocks_ascend.devices` and
+:mod:`megablocks_ascend.compat`, and nothing in the layers imports it.
 
 The modules, in the order a configuration meets them:
 

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from megablocks_ascend.cli.lowering.plan import PlanError
+from megablocks_ascend.lowering.plan import PlanError
 
 # --------------------------------------------------------------------------------------------
 # The compiler.

@@ -16,9 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from megablocks_ascend.cli.lowering import bishengir
-from megablocks_ascend.cli.lowering.configs import Config
-from megablocks_ascend.cli.lowering.table import DTYPES, KernelSpec, kernel_params
+from megablocks_ascend.lowering import bishengir
+from megablocks_ascend.lowering.configs import Config
+from megablocks_ascend.lowering.table import DTYPES, KernelSpec, kernel_params
 
 TARGET_ARCH = "Ascend910B4"  # an A2-class (910B) device
 VENV_HINT = (

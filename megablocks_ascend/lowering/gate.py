@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
-from megablocks_ascend.cli.lowering import census, ir, plan
-from megablocks_ascend.cli.lowering.configs import Config, configs
-from megablocks_ascend.cli.lowering.driver import Lowerer, error_text, lower_retrying_tool_crashes
-from megablocks_ascend.cli.lowering.table import KERNELS, KernelSpec, kernel_params
+from megablocks_ascend.lowering import census, ir, plan
+from megablocks_ascend.lowering.configs import Config, configs
+from megablocks_ascend.lowering.driver import Lowerer, error_text, lower_retrying_tool_crashes
+from megablocks_ascend.lowering.table import KERNELS, KernelSpec, kernel_params
 
 
 def run(kernels: Iterable[KernelSpec] = KERNELS, *, dump: str | None = None,
