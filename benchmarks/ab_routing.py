@@ -3,8 +3,9 @@
 ``bench_routing.py`` measures the kernels as they are; this script answers "did a change help"
 and "what bounds this op", side by side in the same process:
 
-``--baseline FILE``  every routing op, ours as in ``FILE`` (a ``routing.py`` of another commit:
-                     ``git show REV:megablocks_ascend/kernels/routing.py > FILE``) against ours as
+``--baseline REV``   every routing op, ours as at git revision ``REV`` (its ``kernels/routing.py``
+                     and ``routing_kernels.py``; or a ``routing.py`` file, with the
+                     ``routing_kernels.py`` beside it where it imports one) against ours as
                      in the working tree and upstream MegaBlocks, device time from CUDA-graph
                      replay, each checked against upstream first; plus the route map alone per
                      layout.
@@ -19,7 +20,7 @@ and "what bounds this op", side by side in the same process:
 
 Usage::
 
-    python benchmarks/ab_routing.py --baseline /tmp/routing_base.py --patterns --k1 --out results/ --name ab
+    python benchmarks/ab_routing.py --baseline HEAD~1 --patterns --k1 --out results/ --name ab
 
 Needs a CUDA GPU. Bytes and ceiling as in ``bench_routing.py`` (the harness in ``megablocks_ascend.bench``).
 """
@@ -61,11 +62,70 @@ K1_CONFIGS = [
 ]
 
 
-def load_routing(path: str):
-    spec = importlib.util.spec_from_file_location("routing_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def load_routing(baseline: str):
+    """The routing module of ``baseline``: a git revision of this repository (its
+    ``kernels/routing.py`` and, since the split, ``kernels/routing_kernels.py``), or a ``routing.py``
+    file (with the ``routing_kernels.py`` beside it where it imports one). The baseline's host code
+    runs on the baseline's kernels, never on the working tree's."""
+    import contextlib  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from megablocks_ascend import kernels  # noqa: PLC0415
+
+    where = Path(tempfile.mkdtemp(prefix="routing-baseline-"))
+    if Path(baseline).is_file():
+        sources = {"routing": Path(baseline).read_text()}
+        beside = Path(baseline).with_name("routing_kernels.py")
+        if beside.is_file():
+            sources["routing_kernels"] = beside.read_text()
+    else:
+        root = Path(__file__).resolve().parents[1]
+        sources = {}
+        for name in ("routing", "routing_kernels"):
+            shown = subprocess.run(["git", "show", f"{baseline}:megablocks_ascend/kernels/{name}.py"], cwd=root,
+                                   capture_output=True, text=True)
+            if shown.returncode == 0:
+                sources[name] = shown.stdout
+            elif name == "routing":
+                raise SystemExit(f"ab_routing: --baseline {baseline!r} is neither a file nor a revision with "
+                                 f"megablocks_ascend/kernels/routing.py: {shown.stderr.strip()}")
+    if "import routing_kernels" in sources["routing"] and "routing_kernels" not in sources:
+        raise SystemExit(f"ab_routing: the baseline routing.py imports routing_kernels, and no routing_kernels.py "
+                         f"was found beside {baseline}: its kernels would be the working tree's")
+
+    def load(name):
+        path = where / f"{name}_baseline.py"
+        path.write_text(sources[name])  # (Triton reads a kernel's source from its file)
+        spec = importlib.util.spec_from_file_location(f"{name}_baseline", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    with contextlib.ExitStack() as stack:
+        if "routing_kernels" in sources:
+            baseline_kernels = load("routing_kernels")
+            # the baseline's `from megablocks_ascend.kernels import routing_kernels` finds these
+            stack.enter_context(_swapped(sys.modules, "megablocks_ascend.kernels.routing_kernels", baseline_kernels))
+            stack.enter_context(_swapped(vars(kernels), "routing_kernels", baseline_kernels))
+        return load("routing")
+
+
+def _swapped(table: dict, key: str, value):
+    import contextlib  # noqa: PLC0415
+
+    @contextlib.contextmanager
+    def swap():
+        missing = object()
+        old = table.get(key, missing)
+        table[key] = value
+        try:
+            yield
+        finally:
+            if old is missing:
+                table.pop(key, None)
+            else:
+                table[key] = old
+    return swap()
 
 
 def uncached(mod, name):
@@ -286,7 +346,8 @@ def host_and_repeats(device, log, shape="mixtral"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", default=None, help="a routing.py to compare against")
+    ap.add_argument("--baseline", default=None,
+                    help="a git revision (or a routing.py file) whose routing kernels to compare against")
     ap.add_argument("--patterns", action="store_true")
     ap.add_argument("--k1", action="store_true")
     ap.add_argument("--host", action="store_true", help="host time per call and do_bench repeatability")

@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/bench_routing.py: --quick runs on CPU (Triton interpreter) and
 produces the table and the JSON. It measures nothing; the real numbers come from a GPU."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -194,3 +195,34 @@ def test_benchmarks_write_under_out_and_by_default_nowhere_git_sees(tmp_path, sc
     assert written and all(w.startswith("bench-results/") for w in written), written
     ignored = subprocess.run(["git", "check-ignore", "-q", "bench-results/x.json"], cwd=REPO)
     assert ignored.returncode == 0, "bench-results/ is not ignored by .gitignore"
+
+
+def _ab_routing_module():
+    spec = importlib.util.spec_from_file_location("ab_routing_script", REPO / "benchmarks" / "ab_routing.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_routing_baseline_runs_on_its_own_kernels(tmp_path):
+    """A baseline's host code (routing.py) runs on the baseline's kernels (routing_kernels.py), from a
+    revision or from files, never on the working tree's; the working tree's module is left in place."""
+    from megablocks_ascend import kernels
+    from megablocks_ascend.kernels import routing_kernels
+
+    ab = _ab_routing_module()
+    here = REPO / "megablocks_ascend" / "kernels"
+    (tmp_path / "routing.py").write_text((here / "routing.py").read_text())
+    (tmp_path / "routing_kernels.py").write_text((here / "routing_kernels.py").read_text()
+                                                 + "\nBASELINE_MARK = 'from the baseline'\n")
+    base = ab.load_routing(str(tmp_path / "routing.py"))
+    assert base.routing_kernels.BASELINE_MARK == "from the baseline"
+    assert base.routing_kernels is not routing_kernels and kernels.routing_kernels is routing_kernels
+    assert sys.modules["megablocks_ascend.kernels.routing_kernels"] is routing_kernels
+    head = ab.load_routing("HEAD")
+    assert head.routing_kernels is not routing_kernels and callable(head.gather)
+    (tmp_path / "routing_kernels.py").unlink()
+    with pytest.raises(SystemExit, match="no routing_kernels.py"):
+        ab.load_routing(str(tmp_path / "routing.py"))
+    with pytest.raises(SystemExit, match="neither a file nor a revision"):
+        ab.load_routing("no-such-revision-xyz")
