@@ -140,7 +140,7 @@ CONFIGS = {
     "qw128": dict(H=2048, ffn=768, E=128, k=8),
     "mixtral": dict(H=4096, ffn=14336, E=8, k=2),
     "small": dict(H=4096, ffn=1792, E=8, k=2),
-    # Today's fine-grained MoE layers (issue 33): DeepSeek-V3, Qwen3-235B, and 256 experts at a
+    # Today's fine-grained MoE layers: DeepSeek-V3, Qwen3-235B, and 256 experts at a
     # smaller hidden size.
     "dsv3": dict(H=7168, ffn=2048, E=256, k=8),
     "qw3": dict(H=4096, ffn=1536, E=128, k=8),
