@@ -25,8 +25,6 @@ other devices when ``--sections`` names it. Ours stays the default until then.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megablocks_ascend.bench import blocksparse, sparse_grouped, steps, timing
@@ -68,17 +66,17 @@ def product_rows(name: str, c: dict, tokens: int, device: torch.device, time_fn,
     return rows
 
 
-def step_rows(names: list, plan_configs: dict, tokens: int, device: torch.device, reference: str, *, timed: bool,
-              graph: bool, settings: steps.Settings, log) -> list[dict]:
-    """The whole sparse dMoE step in both forms (ours: ``sparse``, the other: ``sparse-gmm``), eager and
-    (``graph``) captured, each checked against ``reference``'s grouped step on the same parameters."""
+def step_rows(names: list, device: torch.device, reference: str, *, timed: bool, graph: bool,
+              settings: steps.Settings, log) -> list[dict]:
+    """The whole sparse dMoE step of the configs ``names`` (of ``settings.configs``) in both forms
+    (ours: ``sparse``, the other: ``sparse-gmm``), eager and (``graph``) captured, each checked against
+    ``reference``'s grouped step on the same parameters."""
     modes = ("eager", "graph") if graph else ("eager",)
     variants = [steps.Variant(n, "dMoE", reference, "eager", "bf16", "grouped", "mlp", "empty") for n in names]
     variants += [steps.Variant(n, "dMoE", "ascend", mode, "bf16", mlp, "mlp", "empty")
                  for n in names for mlp in IMPL_OF_MLP for mode in modes]
     rows = []
-    for r in steps.run(variants, device, dataclasses.replace(settings, configs=plan_configs, tokens=tokens),
-                       reference, log):
+    for r in steps.run(variants, device, settings, reference, log):
         if r["mlp_impl"] not in IMPL_OF_MLP or r["backend"] != "ascend":
             continue  # (the reference's grouped step: what both are checked against)
         row = dict(section="sparse", case=r["config"], item=f"step {r['mode']}", impl=IMPL_OF_MLP[r["mlp_impl"]],

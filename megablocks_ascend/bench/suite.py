@@ -287,7 +287,7 @@ def sparse_section(plan: Plan, log) -> list[dict]:
     settings = steps.Settings(configs=plan.configs, tokens=plan.tokens, steps=plan.steps, warmup=plan.warmup,
                               profile_steps=plan.profile_steps, enqueue=False)
     return rows + sparse_forms.step_rows(
-        names, plan.configs, plan.tokens, plan.tensor_device, "cuda" if plan.kind == "cuda" else "torch",
+        names, plan.tensor_device, "cuda" if plan.kind == "cuda" else "torch",
         timed=timing.timer(plan.timing_device).timed, graph=timing.graph_api(plan.timing_device)[0] is not None,
         settings=settings, log=log)
 
