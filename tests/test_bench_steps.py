@@ -47,7 +47,18 @@ def test_bench_steps_quick_cpu(tmp_path):
         if r["backend"] == "ascend":
             assert 0 <= r["err"] <= 2e-2  # checked against the reference before it was timed
     # host syncs per eager step, counted on the CPU too (the detector the host-sync tests use): none
-    assert all(r["syncs"] == 0 for r in eager), [(r["layer"], r["backend"], r["syncs"]) for r in eager]
+    # wherever the grouped GEMM takes device sizes; where it cannot (the CPU stand-in's loop before
+    # torch 2.9), the dMoE keeps upstream's host copy of the token counts (tests/test_host_sync.py)
+    import torch  # noqa: PLC0415
+    from megablocks_ascend.native import grouped_gemm  # noqa: PLC0415
+    tiny = report["configs"]["tiny"]
+    device_sizes = grouped_gemm.takes_device_sizes(torch.device("cpu"), torch.bfloat16, (tiny["H"], tiny["ffn"]),
+                                                   tiny["E"])
+    for r in eager:
+        if r["layer"] == "MoE" or device_sizes:
+            assert r["syncs"] == 0, (r["layer"], r["backend"], r["syncs"])
+        else:
+            assert r["syncs"] > 0, (r["layer"], r["backend"], r["syncs"])
     # launches per eager step (the CPU counter): ours well under the plain-PyTorch reference's
     launches = {(r["layer"], r["backend"]): r["launches"] for r in eager}
     for layer in ("dMoE", "MoE"):
