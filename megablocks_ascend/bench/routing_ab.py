@@ -28,9 +28,12 @@ Needs a CUDA GPU. Bytes and ceiling as in ``bench_routing.py`` (the harness in `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import megablocks_ascend  # noqa: F401  (before megablocks and triton: the stand-ins, the interpreter on a CPU)
@@ -41,6 +44,7 @@ import triton.language as tl
 
 from megablocks_ascend.bench import routing_ops, routing_table, timing
 from megablocks_ascend.bench.report import CPU_MEASURES_NOTHING, environment, logger
+from megablocks_ascend import kernels
 from megablocks_ascend.kernels import routing
 
 
@@ -67,11 +71,6 @@ def load_routing(baseline: str):
     ``kernels/routing.py`` and, since the split, ``kernels/routing_kernels.py``), or a ``routing.py``
     file (with the ``routing_kernels.py`` beside it where it imports one). The baseline's host code
     runs on the baseline's kernels, never on the working tree's."""
-    import contextlib  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-    from megablocks_ascend import kernels  # noqa: PLC0415
-
     where = Path(tempfile.mkdtemp(prefix="routing-baseline-"))
     if Path(baseline).is_file():
         sources = {"routing": Path(baseline).read_text()}
@@ -110,22 +109,19 @@ def load_routing(baseline: str):
         return load("routing")
 
 
+@contextlib.contextmanager
 def _swapped(table: dict, key: str, value):
-    import contextlib  # noqa: PLC0415
-
-    @contextlib.contextmanager
-    def swap():
-        missing = object()
-        old = table.get(key, missing)
-        table[key] = value
-        try:
-            yield
-        finally:
-            if old is missing:
-                table.pop(key, None)
-            else:
-                table[key] = old
-    return swap()
+    """``table[key] = value`` for the duration of the block, then as it was."""
+    missing = object()
+    old = table.get(key, missing)
+    table[key] = value
+    try:
+        yield
+    finally:
+        if old is missing:
+            table.pop(key, None)
+        else:
+            table[key] = old
 
 
 def uncached(mod, name):
