@@ -240,6 +240,16 @@ def route_map(indices, bins, padded_bins, *, layout, capacity=0, block_m=None, n
 ROUTE_MAP_BLOCK_M = {"cpu": 64}  # positions per block; 128 elsewhere
 
 
+def _walk_plan(kind, device, items, experts, layout, block_m, num_programs):
+    """``(grid, constexprs)`` of a walk over ``items`` positions in the expert order (the route map,
+    the row map): ``block_m`` positions per block (default :data:`ROUTE_MAP_BLOCK_M`), planned once."""
+    def plan():
+        bm = block_m if block_m is not None else ROUTE_MAP_BLOCK_M.get(device.type, 128)
+        return _grid(device, _walk_blocks(items, bm, experts), num_programs), dict(
+            LAYOUT=layout, BLOCK_M=bm, BLOCK_E=devices.block_e(experts))
+    return _planned((kind, device, items, experts, layout, block_m, num_programs, envs.num_programs_override()), plan)
+
+
 def _compute_route_map(indices, bins, padded_bins, *, layout, capacity, block_m, num_programs):
     n = indices.shape[0]
     device = indices.device
@@ -247,14 +257,7 @@ def _compute_route_map(indices, bins, padded_bins, *, layout, capacity, block_m,
     if n == 0:
         return slot_to_row
     experts = bins.shape[0]
-
-    def plan():
-        bm = block_m if block_m is not None else ROUTE_MAP_BLOCK_M.get(device.type, 128)
-        return _grid(device, _walk_blocks(n, bm, experts), num_programs), dict(
-            LAYOUT=layout, BLOCK_M=bm, BLOCK_E=devices.block_e(experts))
-
-    grid, meta = _planned(("route_map", device, n, experts, layout, block_m, num_programs,
-                           envs.num_programs_override()), plan)
+    grid, meta = _walk_plan("route_map", device, n, experts, layout, block_m, num_programs)
     routing_kernels._route_map.launch(grid, indices, bins, padded_bins if padded_bins is not None else bins,
                                       slot_to_row, n, experts, capacity, **meta)
     return slot_to_row
@@ -308,14 +311,7 @@ def _compute_row_map(bins, padded_bins, *, layout, num_rows, capacity, num_progr
     if num_rows == 0:
         return row_pos
     experts = bins.shape[0]
-
-    def plan():
-        bm = block_m if block_m is not None else ROUTE_MAP_BLOCK_M.get(device.type, 128)
-        return _grid(device, _walk_blocks(num_rows, bm, experts), num_programs), dict(
-            LAYOUT=layout, BLOCK_M=bm, BLOCK_E=devices.block_e(experts))
-
-    grid, meta = _planned(("row_map", device, num_rows, experts, layout, block_m, num_programs,
-                           envs.num_programs_override()), plan)
+    grid, meta = _walk_plan("row_map", device, num_rows, experts, layout, block_m, num_programs)
     routing_kernels._row_map.launch(grid, bins, padded_bins if padded_bins is not None else bins, row_pos,
                                     num_rows, experts, capacity, **meta)
     return row_pos
